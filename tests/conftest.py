@@ -1,0 +1,32 @@
+"""Test setup: the Triton interpreter on CPU, the gpu marker, fresh seeds.
+
+TRITON_INTERPRET must be set before triton is first imported (it is read when a kernel is decorated),
+so it is set here, at collection, unless a CUDA GPU is present.
+"""
+import os
+
+import pytest
+
+try:
+    import torch
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """The device the test's tensors live on: CUDA when present, else CPU (the interpreter runs kernels)."""
+    return "cuda" if _HAS_CUDA else "cpu"
