@@ -1,0 +1,192 @@
+"""The fused FP8 cast kernels (tilewise.ops.fp8_cast) against the PyTorch reference and float64 bounds.
+
+On CPU the Triton kernels run in the interpreter (small shapes); gpu-marked tests repeat them at real
+sizes with the autotuned kernel.
+"""
+import math
+
+import pytest
+import torch
+
+from tilewise import ops
+from tilewise.ops.fp8_cast import (FP8_MAX, fp8_cast, fp8_cast_current, fp8_cast_current_reference,
+                                   fp8_cast_reference)
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# (smallest normal exponent, mantissa bits)
+GRID = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
+
+
+def bits(t):
+    return t.view(torch.uint8)
+
+
+def nan_fp8(shape, dtype, device):
+    """An output buffer of NaN (0x7F in both formats), so an element the kernel skips fails."""
+    return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(dtype)
+
+
+def spread(shape, dtype, device, lo=-6, hi=3, seed=0):
+    """Random values whose magnitudes span 10^lo..10^hi (column-wise), never zero-filled."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(lo, hi, shape[1])
+    return x.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_kernel_matches_reference_bits(fp8_dtype, in_dtype, device):
+    M, N = 45, 70  # not multiples of the 32x32 interpreter tile
+    x = spread((M, N), in_dtype, device)
+    x[3, 4], x[5, 5], x[6, 6] = float("nan"), float("inf"), -1e7
+    scale = torch.tensor([1.7], device=device)
+    out, out_t = nan_fp8((M, N), fp8_dtype, device), nan_fp8((N, M), fp8_dtype, device)
+    amax = torch.zeros(1, device=device)
+    with ops.use("triton"):
+        y, yt = fp8_cast(x, fp8_dtype, scale, amax=amax, transpose=True, out=out, out_t=out_t)
+    yr, ytr = fp8_cast_reference(x, fp8_dtype, scale, transpose=True)
+    assert y is out and yt is out_t
+    assert torch.equal(bits(y), bits(yr))
+    assert torch.equal(bits(yt), bits(ytr))
+    assert torch.equal(bits(yt), bits(y).t().contiguous())  # the transposed copy is the copy transposed
+    assert torch.isnan(y.float()[3, 4]) and y.float()[5, 5] == FP8_MAX[fp8_dtype]
+    assert math.isnan(amax.item())  # NaN wins the amax, so the scale update can skip it
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_quantize_dequantize_error_bound(fp8_dtype, device):
+    """|dequant(q(x)) - x| <= half an FP8 ulp: 2^-(m+1) relative for normals, 2^(emin-m-1)/scale absolute
+    below the normal range; float64 reference, random data over 9 decades."""
+    M, N = 64, 96
+    x = spread((M, N), torch.float32, device, lo=-4, hi=2, seed=1)
+    fmax = FP8_MAX[fp8_dtype]
+    amax = x.abs().max()
+    scale = (fmax / amax).reshape(1).float()
+    with ops.use("triton"):
+        y, _ = fp8_cast(x, fp8_dtype, scale, out=nan_fp8((M, N), fp8_dtype, device))
+    deq = y.double() / scale.double()
+    x64 = x.double()
+    emin, m = GRID[fp8_dtype]
+    bound = torch.maximum(x64.abs() * 2.0 ** -(m + 1), torch.full_like(x64, 2.0 ** (emin - m - 1)) / scale.double())
+    err = (deq - x64).abs()
+    assert not torch.isnan(deq).any()
+    assert (err <= bound * (1 + 1e-6)).all(), (err / bound).max()
+    # Gaussian data fills the normal range: the relative error norm sits near 2^-(m+1)/sqrt(3).
+    rel = ((deq - x64).norm() / x64.norm()).item()
+    assert rel < 2.0 ** -(m + 1)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_saturation_at_fp8_max(fp8_dtype, device):
+    fmax = FP8_MAX[fp8_dtype]
+    x = torch.randn(32, 48, device=device) * fmax  # a third of |x| lies beyond fmax at scale 1
+    x[0, :4] = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30])
+    scale = torch.ones(1, device=device)
+    with ops.use("triton"):
+        y, yt = fp8_cast(x, fp8_dtype, scale, transpose=True)
+    yf = y.float()
+    over = x.abs() >= fmax
+    assert over.sum() > 100
+    assert torch.equal(yf[over], torch.sign(x[over]) * fmax)
+    assert torch.isfinite(yf).all()
+    assert yf.abs().max() == fmax and torch.equal(bits(yt), bits(y).t().contiguous())
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_amax_exact_and_folded(in_dtype, device):
+    x = spread((50, 33), in_dtype, device, seed=2)
+    want = x.float().abs().max()
+    with ops.use("triton"):
+        amax = torch.zeros(1, device=device)
+        fp8_cast(x, torch.float8_e4m3fn, torch.ones(1, device=device), amax=amax)
+        assert amax.item() == want.item()  # exact: a max, no rounding
+        bigger = torch.full((1,), want.item() * 2, device=device)
+        fp8_cast(x, torch.float8_e4m3fn, torch.ones(1, device=device), amax=bigger)
+        assert bigger.item() == want.item() * 2  # folding keeps the larger running amax
+        x[7, 7] = -float("inf")
+        fp8_cast(x, torch.float8_e4m3fn, torch.ones(1, device=device), amax=amax)
+        assert amax.item() == float("inf")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("margin", [0, 2])
+def test_current_scaling(fp8_dtype, margin, device):
+    M, N = 40, 64
+    x = spread((M, N), torch.bfloat16, device, lo=-3, hi=1, seed=3)
+    fallback = torch.tensor([3.0], device=device)
+    amax_acc = torch.zeros(1, device=device)
+    with ops.use("triton"):
+        y, yt, scales = fp8_cast_current(x, fp8_dtype, fallback, margin=margin, amax=amax_acc, transpose=True,
+                                         out=nan_fp8((M, N), fp8_dtype, device),
+                                         out_t=nan_fp8((N, M), fp8_dtype, device))
+    amax = x.float().abs().max()
+    want = FP8_MAX[fp8_dtype] / amax / 2 ** margin
+    assert torch.allclose(scales[0], want, rtol=1e-6, atol=0)
+    assert torch.allclose(scales[1], 1 / want, rtol=1e-6, atol=0)
+    assert amax_acc.item() == amax.item()
+    assert y.float().abs().max() <= FP8_MAX[fp8_dtype] / 2 ** margin  # the largest element lands at max/2^margin
+    yr, ytr, sr = fp8_cast_current_reference(x, fp8_dtype, fallback, margin=margin, transpose=True)
+    assert torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr)) and torch.equal(scales, sr)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's numpy divides 448 by amax 0
+@pytest.mark.parametrize("bad", ["zeros", "inf", "nan"])
+def test_current_scaling_falls_back_on_bad_amax(bad, device):
+    x = torch.randn(32, 32, device=device)
+    if bad == "zeros":
+        x.zero_()
+    else:
+        x[1, 2] = float(bad)
+    fallback = torch.tensor([5.0], device=device)
+    with ops.use("triton"):
+        _, _, scales = fp8_cast_current(x, torch.float8_e4m3fn, fallback)
+    assert torch.equal(scales, torch.tensor([5.0, 0.2], device=device))
+
+
+def test_rowwise_false_writes_only_transpose(device):
+    x = torch.randn(48, 16, device=device)
+    with ops.use("triton"):
+        y, yt = fp8_cast(x, torch.float8_e5m2, torch.ones(1, device=device), rowwise=False, transpose=True)
+    assert y is None and yt.shape == (16, 48)
+    assert torch.equal(bits(yt), bits(x.t().contiguous().to(torch.float8_e5m2)))
+
+
+def test_bad_arguments_raise():
+    x = torch.randn(8, 16)
+    one = torch.ones(1)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        fp8_cast(x, torch.bfloat16, one)
+    with pytest.raises(TypeError, match="x dtype"):
+        fp8_cast(x.double(), torch.float8_e4m3fn, one)
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_cast(x[None], torch.float8_e4m3fn, one)
+    with pytest.raises(TypeError, match="scale"):
+        fp8_cast(x, torch.float8_e4m3fn, 1.0)
+    with pytest.raises(TypeError, match="scale"):
+        fp8_cast(x, torch.float8_e4m3fn, torch.ones(2))
+    with pytest.raises(ValueError, match="no output"):
+        fp8_cast(x, torch.float8_e4m3fn, one, rowwise=False)
+    with pytest.raises(ValueError, match="out_t"):
+        fp8_cast(x, torch.float8_e4m3fn, one, transpose=True, out_t=torch.empty(8, 16, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="margin"):
+        fp8_cast_current(x, torch.float8_e4m3fn, one, margin=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("shape", [(16384, 768), (4096, 14336), (8192, 2048), (1000, 3000)])
+def test_gpu_kernel_matches_reference(fp8_dtype, shape):
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    x[17, 5] = float("nan")
+    scale = torch.tensor([37.5], device="cuda")
+    M, N = shape
+    amax = torch.zeros(1, device="cuda")
+    y, yt = fp8_cast(x, fp8_dtype, scale, amax=amax, transpose=True, out=nan_fp8((M, N), fp8_dtype, "cuda"),
+                     out_t=nan_fp8((N, M), fp8_dtype, "cuda"))
+    yr, ytr = fp8_cast_reference(x, fp8_dtype, scale, transpose=True)
+    assert torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))
+    assert math.isnan(amax.item())
+    x[17, 5] = 1.0
+    y, yt, s = fp8_cast_current(x, fp8_dtype, scale, margin=1, transpose=True)
+    yr, ytr, sr = fp8_cast_current_reference(x, fp8_dtype, scale, margin=1, transpose=True)
+    assert torch.equal(s, sr) and torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))
