@@ -1,0 +1,420 @@
+"""cross_entropy and linear_cross_entropy against float64 references.
+
+Tolerances (shared/BENCH.md): fp32 below 1e-5; bf16/fp16 at most 2x the error of the PyTorch reference run
+in the same dtype (F.linear in that dtype, the loss in fp32, gradients rounded to that dtype), with the fp32
+tolerance as a floor, since both compute the loss in fp32 from the same rounded inputs.
+On CPU the Triton kernels run in the interpreter (small sizes); on a GPU the same tests run the compiled
+kernels, and the gpu-marked ones add the real sizes and the peak-memory target.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilewise import ops
+from tilewise.ops.cross_entropy import (ce_rows, cross_entropy_reference, default_chunk_rows,
+                                        linear_cross_entropy_fused)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FP32_TOL = 1e-5
+
+
+def rel_err(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    assert not torch.isnan(got).any(), "NaN in the result"
+    return ((got - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def check_close(got, ref64, same_dtype, what, dtype):
+    """got within the tolerance of inputs in `dtype` from the float64 reference; same_dtype is the PyTorch
+    baseline computed from the same inputs."""
+    err = rel_err(got, ref64)
+    if dtype == torch.float32:
+        tol = FP32_TOL
+    else:
+        tol = max(2 * rel_err(same_dtype, ref64), FP32_TOL)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def make_targets(n, vocab, gen, device, ignore_index=-100, every=4):
+    target = torch.randint(0, vocab, (n,), generator=gen).to(device)
+    target[::every] = ignore_index
+    return target
+
+
+def upstream(loss, gen):
+    if loss.ndim:
+        return torch.randn(loss.shape, generator=gen).to(loss.device)
+    return torch.tensor(1.375, device=loss.device)
+
+
+# ------------------------------------------------------------------------------------------ cross_entropy
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 5003])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_cross_entropy_matches_float64(vocab, dtype, reduction, z_loss, device):
+    gen = torch.Generator().manual_seed(vocab * 7 + len(reduction))
+    rows = 11
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(device, dtype)
+    target = make_targets(rows, vocab, gen, device)
+    kw = dict(z_loss=z_loss, reduction=reduction)
+
+    x = logits.clone().requires_grad_()
+    with ops.use("triton"):
+        loss = ops.cross_entropy(x, target, **kw)
+    g = upstream(loss, gen)
+    loss.backward(g)
+
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, **kw)
+    ref.backward(g.double())
+    xs = logits.clone().requires_grad_()
+    same = cross_entropy_reference(xs, target, **kw)
+    same.backward(g)
+
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    check_close(loss, ref, same, "loss", dtype)
+    assert x.grad.dtype == dtype
+    check_close(x.grad, x64.grad, xs.grad, "dlogits", dtype)
+    assert (x.grad[target == -100] == 0).all(), "ignored rows must get zero gradient"
+
+
+def test_cross_entropy_large_logits_and_masked_vocab(device):
+    """Online max keeps exp in range at |logits| ~ 1e4; -inf logits (masked vocabulary) get zero gradient."""
+    gen = torch.Generator().manual_seed(1)
+    logits = 1e4 * torch.randn(6, 300, generator=gen)
+    logits[:, 100:140] = float("-inf")
+    logits = logits.to(device)
+    target = torch.randint(0, 100, (6,), generator=gen).to(device)
+    x = logits.clone().requires_grad_()
+    with ops.use("triton"):
+        loss = ops.cross_entropy(x, target, reduction="none")
+    loss.sum().backward()
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, reduction="none")
+    ref.sum().backward()
+    assert rel_err(loss, ref) < FP32_TOL
+    assert rel_err(x.grad, x64.grad) < FP32_TOL
+    assert (x.grad[:, 100:140] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_all_ignored(reduction, device):
+    logits = torch.randn(5, 37).to(device).requires_grad_()
+    target = torch.full((5,), -100, dtype=torch.long, device=device)
+    with ops.use("triton"):
+        loss = ops.cross_entropy(logits, target, z_loss=1e-3, reduction=reduction)
+    (loss.sum() if loss.ndim else loss).backward()
+    assert not torch.isnan(loss).any()
+    assert (loss == 0).all()
+    assert (logits.grad == 0).all()
+
+
+def test_cross_entropy_ignore_index_is_a_class_id_and_int32_targets(device):
+    """ignore_index inside [0, vocab) ignores exactly that class; int32 targets work like int64."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(40, 9, generator=gen).to(device)
+    target = torch.randint(0, 9, (40,), generator=gen).to(device, torch.int32)
+    assert (target == 3).any()
+    x = logits.clone().requires_grad_()
+    with ops.use("triton"):
+        loss = ops.cross_entropy(x, target, ignore_index=3)
+    loss.backward()
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, ignore_index=3)
+    ref.backward()
+    assert rel_err(loss, ref) < FP32_TOL and rel_err(x.grad, x64.grad) < FP32_TOL
+    assert (x.grad[target == 3] == 0).all() and (x.grad[target != 3] != 0).any()
+
+
+def test_cross_entropy_3d_and_strided_logits(device):
+    """(batch, seq, vocab) logits that are a column slice of a wider tensor (row stride != vocab)."""
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(2, 5, 130, generator=gen).to(device)
+    target = torch.randint(0, 100, (2, 5), generator=gen).to(device)
+    target[0, 1] = -100
+    x = wide.clone().requires_grad_()
+    with ops.use("triton"):
+        loss = ops.cross_entropy(x[..., :100], target, reduction="none")
+    assert loss.shape == target.shape
+    g = torch.randn(2, 5, generator=gen).to(device)
+    loss.backward(g)
+    x64 = wide.double().requires_grad_()
+    ref = cross_entropy_reference(x64[..., :100], target, reduction="none")
+    ref.backward(g.double())
+    assert rel_err(loss, ref) < FP32_TOL and rel_err(x.grad, x64.grad) < FP32_TOL
+    assert (x.grad[..., 100:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernel_writes_every_element(dtype, device):
+    """The launcher on NaN-filled outputs, with 16-wide slices so the 1000-wide rows take 63 of them, the
+    last partial; then the forward and backward in one launch writing the gradient over the logits."""
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 9, 1000
+    logits = (2 * torch.randn(rows, vocab, generator=gen)).to(device, dtype)
+    target = make_targets(rows, vocab, gen, device, every=3)
+    nan = dict(device=device, dtype=torch.float32)
+    loss, lse = torch.full((rows,), math.nan, **nan), torch.full((rows,), math.nan, **nan)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, loss=loss, lse=lse, block_v=16)
+    grad = torch.full_like(logits, math.nan)
+    scale = torch.rand(rows, generator=gen).to(device)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, lse=lse, grad=grad, scale=scale, block_v=16)
+
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, z_loss=1e-3, reduction="none")
+    ref.backward(scale.double())
+    xs = logits.clone().requires_grad_()
+    same = cross_entropy_reference(xs, target, z_loss=1e-3, reduction="none")
+    same.backward(scale)
+    check_close(loss, ref, same, "loss", dtype)
+    assert rel_err(lse, torch.logsumexp(logits.double(), -1)) < FP32_TOL
+    check_close(grad, x64.grad, xs.grad, "dlogits", dtype)
+
+    inplace = logits.clone()
+    loss2 = torch.full((rows,), math.nan, **nan)
+    ce_rows(inplace, target, ignore_index=-100, z_loss=1e-3, loss=loss2, lse=lse, grad=inplace, scale=scale,
+            block_v=16)
+    assert torch.equal(loss2, loss)
+    assert torch.equal(inplace, grad)
+
+
+def test_out_of_range_target_raises():
+    logits = torch.randn(3, 10)
+    with ops.use("triton"):
+        with pytest.raises(ValueError, match="10"):
+            ops.cross_entropy(logits, torch.tensor([1, 10, 2]))
+        with pytest.raises(ValueError, match="-3"):
+            ops.cross_entropy(logits, torch.tensor([1, -3, 2]))
+
+
+# ------------------------------------------------------------------------------------ linear_cross_entropy
+
+def _linear_case(rows, width, vocab, dtype, device, gen, bias, every=4):
+    hidden = torch.randn(rows, width, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, width, generator=gen) / math.sqrt(width) * 2).to(device, dtype)
+    b = torch.randn(vocab, generator=gen).to(device, dtype) if bias else None
+    target = make_targets(rows, vocab, gen, device, every=every)
+    return hidden, weight, b, target
+
+
+def _leaves(*tensors, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).clone().requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab,bias,z_loss", [(1000, True, 1e-2), (5003, False, 0.0), (7, True, 0.0)])
+def test_linear_cross_entropy_matches_float64(dtype, reduction, vocab, bias, z_loss, device):
+    """23 rows in chunks of 5 (the last one short): loss and the gradients of hidden, weight and bias."""
+    gen = torch.Generator().manual_seed(vocab + len(reduction))
+    inputs = _linear_case(23, 32, vocab, dtype, device, gen, bias)
+    target = inputs[3]
+    kw = dict(z_loss=z_loss, reduction=reduction)
+
+    h, w, b = _leaves(*inputs[:3])
+    with ops.use("triton"):
+        loss = linear_cross_entropy_fused(h, w, target, bias=b, chunk_rows=5, **kw)
+    g = upstream(loss, gen)
+    loss.backward(g)
+
+    h64, w64, b64 = _leaves(*inputs[:3], dtype=torch.float64)
+    ref = cross_entropy_reference(F.linear(h64, w64, b64), target, **kw)
+    ref.backward(g.double())
+    hs, ws, bs = _leaves(*inputs[:3])
+    same = cross_entropy_reference(F.linear(hs, ws, bs), target, **kw)
+    same.backward(g)
+
+    assert loss.shape == ref.shape
+    check_close(loss, ref, same, "loss", dtype)
+    for name, got, r, s in (("hidden", h, h64, hs), ("weight", w, w64, ws), ("bias", b, b64, bs)):
+        if got is not None:
+            assert got.grad.dtype == dtype
+            check_close(got.grad, r.grad, s.grad, f"grad {name}", dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_all_ignored(reduction, device):
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight, bias, _ = _linear_case(7, 16, 50, torch.float32, device, gen, True)
+    target = torch.full((7,), -100, dtype=torch.long, device=device)
+    h, w, b = _leaves(hidden, weight, bias)
+    with ops.use("triton"):
+        loss = linear_cross_entropy_fused(h, w, target, bias=b, z_loss=1e-3, reduction=reduction, chunk_rows=3)
+    (loss.sum() if loss.ndim else loss).backward()
+    assert not torch.isnan(loss).any() and (loss == 0).all()
+    for t in (h, w, b):
+        assert (t.grad == 0).all()
+
+
+def test_linear_cross_entropy_public_path_3d_and_frozen_weight(device):
+    """The public function (default chunks) on (batch, seq, width) input; a frozen weight gets no grad."""
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight, _, target = _linear_case(12, 24, 301, torch.float32, device, gen, False)
+    hidden3, target3 = hidden.view(3, 4, 24), target.view(3, 4)
+    h = hidden3.clone().requires_grad_()
+    with ops.use("triton"):
+        loss = ops.linear_cross_entropy(h, weight, target3, z_loss=1e-3)
+        none = ops.linear_cross_entropy(hidden3, weight, target3, reduction="none")
+    loss.backward()
+    assert none.shape == (3, 4) and not none.requires_grad
+    h64 = hidden3.double().requires_grad_()
+    ref = cross_entropy_reference(F.linear(h64, weight.double()), target3, z_loss=1e-3)
+    ref.backward()
+    assert rel_err(loss, ref) < FP32_TOL and rel_err(h.grad, h64.grad) < FP32_TOL
+    ref_none = cross_entropy_reference(F.linear(hidden3.double(), weight.double()), target3, reduction="none")
+    assert rel_err(none, ref_none) < FP32_TOL
+
+
+def test_linear_cross_entropy_no_grad_matches():
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight, bias, target = _linear_case(10, 8, 33, torch.float32, "cpu", gen, True)
+    with torch.no_grad(), ops.use("triton"):
+        loss = linear_cross_entropy_fused(hidden, weight, target, bias=bias, chunk_rows=4)
+    ref = cross_entropy_reference(F.linear(hidden.double(), weight.double(), bias.double()), target)
+    assert rel_err(loss, ref) < FP32_TOL
+
+
+def test_default_chunk_rows():
+    assert default_chunk_rows(16384, 50304, 2) == 2048  # 206 MB of bf16 logits per chunk
+    assert default_chunk_rows(16384, 50304, 4) == 1024
+    assert default_chunk_rows(10, 1000, 2) == 10
+    assert default_chunk_rows(100, 300_000_000, 4) == 1
+
+
+def test_reference_path_on_cpu_by_default():
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, _, target = _linear_case(6, 8, 20, torch.float32, "cpu", gen, False)
+    with ops.use("auto"):
+        a = ops.linear_cross_entropy(hidden, weight, target)
+    with ops.use("reference"):
+        b = ops.linear_cross_entropy(hidden, weight, target)
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+def test_bad_input_raises():
+    x, t = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    h, w = torch.randn(4, 8), torch.randn(10, 8)
+    with ops.use("triton"):
+        with pytest.raises(ValueError, match="'avg'"):
+            ops.cross_entropy(x, t, reduction="avg")
+        with pytest.raises(ValueError, match="torch.float32"):
+            ops.cross_entropy(x, t.float())
+        with pytest.raises(ValueError, match=r"\(3,\)"):
+            ops.cross_entropy(x, t[:3])
+        with pytest.raises(ValueError, match="-0.5"):
+            ops.cross_entropy(x, t, z_loss=-0.5)
+        with pytest.raises(TypeError, match="ignore_index"):
+            ops.cross_entropy(x, t, ignore_index=1.5)
+        with pytest.raises(ValueError, match="torch.int64"):
+            ops.cross_entropy(x.long(), t)
+        with pytest.raises(ValueError, match="vocab"):
+            ops.cross_entropy(torch.randn(4, 0), t)
+        with pytest.raises(TypeError, match="list"):
+            ops.cross_entropy([1.0, 2.0], t)
+        with pytest.raises(ValueError, match="12"):
+            ops.linear_cross_entropy(torch.randn(4, 12), w, t)
+        with pytest.raises(ValueError, match="bfloat16"):
+            ops.linear_cross_entropy(h, w.bfloat16(), t)
+        with pytest.raises(ValueError, match=r"\(9,\)"):
+            ops.linear_cross_entropy(h, w, t, bias=torch.randn(9))
+        with pytest.raises(ValueError, match="2-D"):
+            ops.linear_cross_entropy(h, w[0], t)
+        with pytest.raises(ValueError, match="chunk_rows=0"):
+            linear_cross_entropy_fused(h, w, t, chunk_rows=0)
+
+
+# -------------------------------------------------------------------------------------------- real sizes
+
+def _peak_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+def test_cross_entropy_real_size():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    rows, vocab = 16384, 50304
+    logits = (2 * torch.randn(rows, vocab, device="cuda", generator=gen)).bfloat16()
+    target = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    target[::7] = -100
+    x = logits.clone().requires_grad_()
+    loss = ops.cross_entropy(x, target, z_loss=1e-4)
+    loss.backward()
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, z_loss=1e-4)
+    ref.backward()
+    xs = logits.clone().requires_grad_()
+    same = cross_entropy_reference(xs, target, z_loss=1e-4)
+    same.backward()
+    check_close(loss, ref, same, "loss", torch.bfloat16)
+    check_close(x.grad, x64.grad, xs.grad, "dlogits", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width", [(16384, 768), (8192, 2048)])
+def test_linear_cross_entropy_real_size(rows, width):
+    """bf16 at GPT-2 head sizes against float64, on the default chunking (several chunks)."""
+    gen = torch.Generator().manual_seed(10)
+    vocab = 50304
+    inputs = _linear_case(rows, width, vocab, torch.bfloat16, "cuda", gen, False, every=9)
+    target = inputs[3]
+    h, w = _leaves(*inputs[:2])
+    loss = ops.linear_cross_entropy(h, w, target, z_loss=1e-4)
+    loss.backward()
+    h64, w64 = _leaves(*inputs[:2], dtype=torch.float64)
+    ref = cross_entropy_reference(F.linear(h64, w64), target, z_loss=1e-4)
+    ref.backward()
+    hs, ws = _leaves(*inputs[:2])
+    same = cross_entropy_reference(F.linear(hs, ws), target, z_loss=1e-4)
+    same.backward()
+    check_close(loss, ref, same, "loss", torch.bfloat16)
+    check_close(h.grad, h64.grad, hs.grad, "grad hidden", torch.bfloat16)
+    check_close(w.grad, w64.grad, ws.grad, "grad weight", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_peak_memory():
+    """Peak memory of forward+backward (beyond the inputs, grads included) at most 25% of the unfused path's."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, weight, _, target = _linear_case(16384, 768, 50304, torch.bfloat16, "cuda", gen, False, every=9)
+    h, w = _leaves(hidden, weight)
+
+    def fused():
+        ops.linear_cross_entropy(h, w, target).backward()
+
+    def unfused():
+        F.cross_entropy(F.linear(h, w), target).backward()
+
+    peaks = {}
+    for name, fn in (("fused", fused), ("unfused", unfused)):
+        fn()  # warm-up: cuBLAS workspaces and the caching allocator's pools
+        h.grad = w.grad = None
+        peaks[name] = _peak_bytes(fn)
+        h.grad = w.grad = None
+    assert peaks["fused"] <= 0.25 * peaks["unfused"], f"peak bytes {peaks}"
+
+
+@pytest.mark.gpu
+def test_fp32_accumulating_matmul_is_available():
+    """grad_weight accumulates through addmm(..., torch.float32) on bf16 operands; without it the fallback
+    (a bf16 product added to the fp32 accumulator) is right but moves more bytes per chunk."""
+    from tilewise.ops.cross_entropy import _fp32_out_mm_ok, _mm_accumulate
+    assert _fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    a = torch.randn(3, 256, 512, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(3, 256, 96, device="cuda", generator=gen).bfloat16()
+    acc = torch.full((512, 96), math.nan, device="cuda")
+    for i in range(3):
+        _mm_accumulate(acc, a[i].t(), b[i], first=i == 0)
+    want = sum(a[i].double().t() @ b[i].double() for i in range(3))
+    assert rel_err(acc, want) < FP32_TOL
