@@ -1,0 +1,435 @@
+"""flash_attention: Triton forward and backward against a float64 reference.
+
+On CPU the kernels run in the Triton interpreter at tiny sizes (and its outputs start as NaN, so an element
+no program writes fails). Low-precision errors are held to 2x the error of torch SDPA in the same dtype
+(given the same boolean mask) against the same float64 reference; fp32 to 1e-5 (the fp32 dots are IEEE).
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilewise import ops
+from tilewise.ops import attention as attn
+from tilewise.ops.attention import _dense_attention, attention_mask, attention_reference, flash_attention
+
+# Both errors can be ~0 where an output is exactly representable (a row that sees one key returns v
+# itself), so 2 * 0 would fail a correct kernel one fp32 ulp away; 1e-6 is far below any bf16/fp16 error.
+ABS_FLOOR = 1e-6
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    """Select the load path: 'ptr' or 'tma' (host tensor descriptors; the interpreter runs them too)."""
+    def select(path):
+        monkeypatch.setenv("TILEWISE_ATTN_TMA", "1" if path == "tma" else "0")
+    return select
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _rand(*shape, dtype, device):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _keep_mask(sq, sk, causal, window, cu_seqlens, device):
+    """(sq, sk) boolean mask; packed: block-diagonal over documents, each masked like a batch of one."""
+    if cu_seqlens is None:
+        return attention_mask(sq, sk, causal, window, device)
+    keep = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        keep[s:e, s:e] = attention_mask(e - s, e - s, causal, window, device)
+    return keep
+
+
+def _sdpa(q, k, v, causal, window, cu_seqlens, scale):
+    """torch SDPA with an explicit boolean mask (rows that see no key give 0); packed = one long batch."""
+    if cu_seqlens is not None:
+        q, k, v = q[None], k[None], v[None]
+    group = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))
+    keep = _keep_mask(q.shape[1], k.shape[1], causal, window, cu_seqlens, q.device)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, scale=scale).transpose(1, 2)
+    return out[0] if cu_seqlens is not None else out
+
+
+def _grads(fn, inputs, dout, dlse=None):
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    res = fn(*xs)
+    out, lse = res if isinstance(res, tuple) else (res, None)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (lse.double().nan_to_num(0.0, 0.0, 0.0) * dlse.double()).sum()
+    loss.backward()
+    return [out.detach()] + [x.grad for x in xs], (None if lse is None else lse.detach())
+
+
+def _rel(x, ref):
+    assert not torch.isnan(x).any(), "NaN in the result"
+    den = ref.double().norm()
+    num = (x.double() - ref.double()).norm()
+    return (num / den).item() if den > 0 else num.item()
+
+
+def check(q, k, v, *, causal=False, window=None, cu_seqlens=None, softmax_scale=None, with_lse=False):
+    """Forward, LSE and the three gradients of the Triton path against the float64 reference."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    dout = torch.randn_like(q)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    dlse = torch.randn(lse_shape, device=q.device) if with_lse else None
+    kw = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+
+    def ours(q_, k_, v_):
+        with ops.use("triton"):
+            return flash_attention(q_, k_, v_, return_lse=True, **kw)
+
+    def ref64(q_, k_, v_):
+        if cu_seqlens is not None:
+            return attention_reference(q_, k_, v_, return_lse=True, **kw)
+        return _dense_attention(q_, k_, v_, causal, scale, window)
+
+    got, lse = _grads(ours, (q, k, v), dout, dlse)
+    want, lse64 = _grads(ref64, [t.double() for t in (q, k, v)], dout, dlse)
+    # The LSE: natural log, -inf exactly where a row sees no key.
+    assert lse.dtype == torch.float32 and lse.shape == lse64.shape
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse64))
+    finite = torch.isfinite(lse64)
+    assert (lse[finite].double() - lse64[finite]).abs().max().item() < 1e-4 if finite.any() else True
+    names = ("out", "dq", "dk", "dv")
+    if q.dtype == torch.float32:
+        for name, x, r in zip(names, got, want):
+            assert _rel(x, r) < FP32_TOL, f"{name}: {_rel(x, r):.3g}"
+        return
+    if with_lse:  # SDPA has no LSE output to differentiate; the fp32-compute reference is the baseline
+        base, _ = _grads(lambda *t: _dense_attention(*t, causal, scale, window) if cu_seqlens is None
+                         else attention_reference(*t, return_lse=True, **kw), (q, k, v), dout, dlse)
+    else:
+        base, _ = _grads(lambda *t: _sdpa(*t, causal, window, cu_seqlens, scale), (q, k, v), dout)
+    for name, x, b, r in zip(names, got, base, want):
+        err, err_base = _rel(x, r), _rel(b, r)
+        assert err <= 2 * err_base + ABS_FLOOR, f"{name}: error {err:.3g} vs torch {err_base:.3g}"
+    for x, t in zip(got, (q, q, k, v)):
+        assert x.dtype == t.dtype and x.shape == t.shape
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, device="cpu"):
+    return (_rand(b, sq, hq, d, dtype=dtype, device=device), _rand(b, sk, hkv, d, dtype=dtype, device=device),
+            _rand(b, sk, hkv, d, dtype=dtype, device=device))
+
+
+# ------------------------------------------------------------------------------------------ interpreter
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_backward(dtype, causal, device, tma):
+    tma("ptr")
+    check(*qkv(2, 37, 37, 2, 2, 32, dtype, device), causal=causal)
+
+
+@pytest.mark.parametrize("sq,sk", [(17, 50), (50, 17), (1, 33), (33, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlen_q_differs_from_seqlen_k(sq, sk, causal, device, tma):
+    tma("ptr")  # causal with sq > sk: the first sq - sk rows see no key (output 0, lse -inf)
+    check(*qkv(1, sq, sk, 2, 1, 16, device=device), causal=causal)
+
+
+@pytest.mark.parametrize("seqlen", [1, 17, 100])
+def test_odd_lengths(seqlen, device, tma):
+    tma("ptr")
+    check(*qkv(1, seqlen, seqlen, 2, 2, 16, device=device), causal=True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_and_mqa(hq, hkv, causal, device, tma):
+    tma("ptr")
+    check(*qkv(2, 23, 29, hq, hkv, 16, device=device), causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 128])
+def test_head_dims(head_dim, device, tma):
+    tma("ptr")
+    check(*qkv(1, 19, 19, 2, 1, head_dim, device=device), causal=True)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (3, -1)), (False, (-1, 2)), (False, (4, 1)), (False, (0, 0)),
+                                           (True, (5, -1)), (True, (6, 3)), (False, (2, 40))])
+def test_sliding_window(causal, window, device, tma):
+    tma("ptr")
+    check(*qkv(1, 45, 41, 2, 1, 16, device=device), causal=causal, window=window)
+
+
+def test_softmax_scale(device, tma):
+    tma("ptr")
+    check(*qkv(1, 20, 20, 2, 2, 16, dtype=torch.float32, device=device), softmax_scale=0.7)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (4, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen(causal, window, dtype, device, tma):
+    tma("ptr")
+    cu = torch.tensor([0, 1, 18, 50, 51, 83], dtype=torch.int32, device=device)  # lengths 1, 17, 32, 1, 32
+    q, k, v = (_rand(83, h, 16, dtype=dtype, device=device) for h in (4, 2, 2))
+    check(q, k, v, causal=causal, window=window, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("path", ["ptr", "tma"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_qkv_views(path, causal, device, tma):
+    """q, k, v split from one (B, S, Hq + 2 Hkv, D) projection: strided views, no copy."""
+    tma(path)
+    fused = _rand(2, 33, 4 + 2 + 2, 32, dtype=torch.bfloat16, device=device)
+    q, k, v = fused.split([4, 2, 2], dim=2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tma_and_pointer_paths_agree(packed, device, tma):
+    """The descriptor loads and the pointer loads are one kernel: in the interpreter, bitwise equal."""
+    if packed:
+        cu = torch.tensor([0, 20, 21, 54], dtype=torch.int32, device=device)
+        q, k, v = (_rand(54, h, 32, dtype=torch.bfloat16, device=device) for h in (2, 1, 1))
+    else:
+        cu = None
+        q, k, v = qkv(2, 37, 37, 2, 1, 32, device=device)
+    dout = torch.randn_like(q)
+    results = []
+    for path in ("ptr", "tma"):
+        tma(path)
+        with ops.use("triton"):
+            got, lse = _grads(lambda *t: flash_attention(*t, causal=True, cu_seqlens=cu, return_lse=True),
+                              (q, k, v), dout)
+        results.append(got + [lse])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_lse_gradient(device, tma):
+    """return_lse: the LSE matches and its gradient (dLSE_i * P_ij into dS) flows into q and k."""
+    tma("ptr")
+    check(*qkv(1, 30, 30, 2, 1, 16, dtype=torch.float32, device=device), causal=True, with_lse=True)
+    check(*qkv(1, 30, 30, 2, 1, 16, device=device), causal=True, with_lse=True)
+
+
+def test_packed_lse_layout(device, tma):
+    tma("ptr")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    q, k, v = (_rand(12, 3, 16, dtype=torch.float32, device=device) for _ in range(3))
+    with ops.use("triton"):
+        out, lse = flash_attention(q, k, v, cu_seqlens=cu, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (3, 12)
+    _, lse_ref = attention_reference(q, k, v, cu_seqlens=cu, return_lse=True)
+    assert torch.allclose(lse, lse_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_are_bitwise_repeatable(deterministic, device, tma):
+    tma("ptr")
+    q, k, v = qkv(1, 40, 40, 4, 1, 16, device=device)  # GQA: dK/dV sum 4 query heads
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        with ops.use("triton"):
+            got, _ = _grads(lambda *t: flash_attention(*t, causal=True, deterministic=deterministic),
+                            (q, k, v), dout)
+        runs.append(got)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_no_keys(device, tma):
+    """seqlen_k = 0: every row sees no key: output 0, lse -inf, zero gradients."""
+    tma("ptr")
+    q, k, v = qkv(1, 5, 0, 2, 2, 16, dtype=torch.float32, device=device)
+    q.requires_grad_()
+    with ops.use("triton"):
+        out, lse = flash_attention(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_cpu_dispatch_runs_the_reference():
+    q, k, v = qkv(1, 9, 9, 2, 2, 16, dtype=torch.float32)
+    with ops.use("reference"):
+        ref = flash_attention(q, k, v, causal=True)
+    assert torch.equal(flash_attention(q, k, v, causal=True), ref)  # auto mode, CPU tensors: the reference
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    with ops.use("triton"):  # float64 has no Triton path: the reference serves it
+        out = flash_attention(q64, k64, v64, causal=True)
+    assert out.dtype == torch.float64 and torch.allclose(out, ref.double(), atol=1e-6)
+
+
+def test_torch_compile_fullgraph(device, tma):
+    """The custom op traces without a graph break (fullgraph=True); aot_eager keeps CPU free of codegen."""
+    tma("ptr")
+    q, k, v = qkv(1, 20, 20, 2, 1, 16, dtype=torch.float32, device=device)
+    dout = torch.randn_like(q)
+
+    def fn(q_, k_, v_):
+        return flash_attention(q_, k_, v_, causal=True) * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    with ops.use("triton"):
+        got, _ = _grads(compiled, (q, k, v), dout)
+        want, _ = _grads(fn, (q, k, v), dout)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+def _bad_cases():
+    t4 = torch.randn(1, 8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    p3 = torch.randn(8, 2, 16)
+    return {
+        "rank": dict(q=torch.randn(8, 2, 16), k=t4, v=t4),
+        "packed rank": dict(q=t4, k=t4, v=t4, cu_seqlens=cu),
+        "dtype mismatch": dict(q=t4.half(), k=t4, v=t4),
+        "int dtype": dict(q=t4.int(), k=t4.int(), v=t4.int()),
+        "head_dim not multiple of 8": dict(q=torch.randn(1, 8, 2, 12), k=torch.randn(1, 8, 2, 12),
+                                           v=torch.randn(1, 8, 2, 12)),
+        "head_dim over 256": dict(q=torch.randn(1, 2, 1, 264), k=torch.randn(1, 2, 1, 264),
+                                  v=torch.randn(1, 2, 1, 264)),
+        "k v shapes": dict(q=t4, k=t4, v=torch.randn(1, 9, 2, 16)),
+        "k head_dim": dict(q=t4, k=torch.randn(1, 8, 2, 24), v=torch.randn(1, 8, 2, 24)),
+        "batch": dict(q=t4, k=torch.randn(2, 8, 2, 16), v=torch.randn(2, 8, 2, 16)),
+        "heads": dict(q=torch.randn(1, 8, 3, 16), k=t4, v=t4),
+        "window length": dict(q=t4, k=t4, v=t4, window=(1, 2, 3)),
+        "window value": dict(q=t4, k=t4, v=t4, window=(-2, 0)),
+        "window type": dict(q=t4, k=t4, v=t4, window=(1.5, 0)),
+        "cu_seqlens 2-d": dict(q=p3, k=p3, v=p3, cu_seqlens=cu[None]),
+        "cu_seqlens dtype": dict(q=p3, k=p3, v=p3, cu_seqlens=cu.long()),
+        "packed token count": dict(q=p3, k=torch.randn(9, 2, 16), v=torch.randn(9, 2, 16), cu_seqlens=cu),
+        "cu_seqlens decreasing": dict(q=p3, k=p3, v=p3, cu_seqlens=torch.tensor([0, 5, 3, 8], dtype=torch.int32)),
+        "cu_seqlens end": dict(q=p3, k=p3, v=p3, cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32)),
+        "cu_seqlens start": dict(q=p3, k=p3, v=p3, cu_seqlens=torch.tensor([1, 3, 8], dtype=torch.int32)),
+        "max_seqlen": dict(q=p3, k=p3, v=p3, cu_seqlens=cu, max_seqlen=4),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+@pytest.mark.parametrize("mode", ["triton", "reference"])
+def test_bad_input_raises_value_error(case, mode):
+    kw = dict(_bad_cases()[case])
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    with ops.use(mode), pytest.raises(ValueError, match="flash_attention"):
+        flash_attention(q, k, v, **kw)
+
+
+def test_not_a_tensor_raises_type_error():
+    t4 = torch.randn(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        flash_attention(t4.numpy(), t4, t4)
+
+
+def test_devices_differ_raises():
+    t4 = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="different devices"):
+        flash_attention(t4, t4.to("meta"), t4)
+
+
+# ------------------------------------------------------------------------------------------ H200
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("path", ["ptr", "tma"])
+def test_gpu_real_size(causal, path, tma):
+    tma(path)
+    check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_gpu_head_dims_gqa(head_dim, tma):
+    tma("tma")
+    check(*qkv(2, 1000, 1000, 8, 2, head_dim, device="cuda"), causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_seqlens_differ_and_window(tma):
+    tma("tma")
+    check(*qkv(2, 700, 1500, 8, 8, 128, device="cuda"), causal=True)
+    check(*qkv(1, 2048, 2048, 8, 4, 128, device="cuda"), window=(256, 0))
+    check(*qkv(1, 2048, 2048, 8, 4, 64, device="cuda"), window=(100, 37))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["ptr", "tma"])
+def test_gpu_varlen_fused_qkv(path, tma):
+    tma(path)
+    lengths = [1, 777, 2048, 1000, 3, 270]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    fused = _rand(sum(lengths), 16 + 4 + 4, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = fused.split([16, 4, 4], dim=1)
+    check(q, k, v, causal=True, cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_matches_pointer_path(tma):
+    """The Hopper descriptor path against the pointer path: the same function up to accumulation order."""
+    q, k, v = qkv(2, 2048, 2048, 16, 8, 128, device="cuda")
+    dout = torch.randn_like(q)
+    results = []
+    for path in ("ptr", "tma"):
+        tma(path)
+        got, lse = _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)
+        results.append(got + [lse])
+    for a, b in zip(*results):
+        assert _rel(a, b) < 1e-2
+    assert (results[0][-1] - results[1][-1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic(tma):
+    tma("tma")
+    q, k, v = qkv(2, 2048, 2048, 16, 4, 128, device="cuda")
+    dout = torch.randn_like(q)
+    runs = [_grads(lambda *t: flash_attention(*t, causal=True, deterministic=True), (q, k, v), dout)[0]
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_inductor(tma):
+    tma("tma")
+    q, k, v = qkv(2, 1024, 1024, 16, 16, 128, device="cuda")
+    dout = torch.randn_like(q)
+    fn = lambda *t: flash_attention(*t, causal=True)  # noqa: E731
+    got, _ = _grads(torch.compile(fn, fullgraph=True), (q, k, v), dout)
+    want, _ = _grads(fn, (q, k, v), dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_128k(tma):
+    """Forward + backward at seqlen 131072, 16 heads, head_dim 128: under 1 GB beyond the tensors the
+    caller holds (q, k, v, dout) and the ones it gets back (out, lse, dq, dk, dv)."""
+    tma("tma")
+    small = qkv(1, 4096, 4096, 16, 16, 128, device="cuda")  # tune at a small size first (same key)
+    _grads(lambda *t: flash_attention(*t, causal=True), small, torch.randn_like(small[0]))
+    del small
+    q, k, v = (t.requires_grad_() for t in qkv(1, 131072, 131072, 16, 16, 128, device="cuda"))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    held = sum(t.numel() * t.element_size() for t in (out, lse, q.grad, k.grad, v.grad))
+    extra = torch.cuda.max_memory_allocated() - base - held
+    assert extra < 1 << 30, f"{extra / 2**30:.2f} GiB beyond inputs, outputs and gradients"
+    assert not torch.isnan(out).any() and not torch.isnan(q.grad).any()
