@@ -199,3 +199,97 @@ def test_unigram_of_a_skewed_corpus_is_below_uniform(tmp_path):
     entropy = -(probs * np.log(probs + 1e-30)).sum()
     assert unigram_val_loss(str(tmp_path)) == pytest.approx(entropy, rel=0.1)
     assert unigram_val_loss(str(tmp_path)) < 0.8 * math.log(300)
+
+
+# ---- StreamingDataset
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory):
+    """Text files and a JSONL file (with lines to skip), and a tokenizer trained on them by prepare."""
+    import json
+    from tilewise.data import prepare
+    root = tmp_path_factory.mktemp("stream")
+    src = root / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    vocab = "kernel tile warp stream shard token loss grad step batch".split()
+    texts = {}
+    for i in range(5):
+        texts[f"f{i}.txt"] = " ".join(rng.choice(vocab, size=int(rng.integers(20, 80)))) + "\n"
+        (src / f"f{i}.txt").write_text(texts[f"f{i}.txt"])
+    lines, jsonl_docs = [], []
+    for i in range(30):
+        if i % 7 == 3:
+            lines.append(json.dumps({"meta": i}))
+        else:
+            doc = f"line {i}: " + " ".join(rng.choice(vocab, size=int(rng.integers(3, 30))))
+            jsonl_docs.append(doc)
+            lines.append(json.dumps({"text": doc}))
+    (src / "d.jsonl").write_text("\n".join(lines) + "\n")
+    prepare(str(root / "prepared"), [str(src)], vocab_size=320, progress=False)
+    return src, texts, jsonl_docs, str(root / "prepared" / "tokenizer.json")
+
+
+def expected_stream(src, texts, jsonl_docs, tok_path, seed, epochs):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(tok_path)
+    files = sorted(["d.jsonl"] + list(texts))  # resolve_inputs walks a folder in sorted order
+    out = []
+    for e in range(epochs):
+        for i in np.random.default_rng((seed, e)).permutation(len(files)):
+            docs = jsonl_docs if files[i] == "d.jsonl" else [texts[files[i]]]
+            for d in docs:
+                out += tok.encode(d, add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+    return np.array(out)
+
+
+def test_streaming_rows_follow_the_stream(text_corpus):
+    from tilewise.data import StreamingDataset
+    src, texts, jsonl_docs, tok = text_corpus
+    want = expected_stream(src, texts, jsonl_docs, tok, seed=4, epochs=4)
+    # piece_bytes=64 cuts the JSONL file into many pieces whose edges fall inside lines.
+    with StreamingDataset([str(src)], tok, 16, seed=4, num_workers=0, piece_bytes=64) as ds:
+        for index in range(12):  # 12 * 6 rows * 16 tokens: more than one epoch
+            rows = ds.rows(index, 6)
+            for j, r in enumerate(range(index * 6, index * 6 + 6)):
+                assert np.array_equal(rows[j], want[r * 16:r * 16 + 17])
+        assert ds.skipped["jsonl_no_text"] >= 4
+        x, y, cu = ds.batch(2, 6, with_cu_seqlens=True)  # backwards: the stream restarts
+        assert np.array_equal(x.numpy(), np.stack([want[r * 16:r * 16 + 16] for r in range(12, 18)]))
+        assert torch.equal(x[:, 1:], y[:, :-1]) and cu.dtype == torch.int32
+    with StreamingDataset([str(src)], tok, 16, seed=4, num_workers=0, rank=1, world_size=3) as ranked:
+        rows = ranked.rows(9, 6)  # a jump forward
+        assert np.array_equal(rows, np.stack([want[r * 16:r * 16 + 17] for r in (55, 58)]))
+
+
+def test_streaming_with_workers_and_prefetcher(text_corpus):
+    from tilewise.data import Prefetcher, StreamingDataset
+    src, texts, jsonl_docs, tok = text_corpus
+    with StreamingDataset([str(src)], tok, 8, seed=1, num_workers=0, piece_bytes=100) as inline:
+        want = [inline.batch(k, 4) for k in range(3, 30)]
+    with StreamingDataset([str(src)], tok, 8, seed=1, num_workers=2, piece_bytes=100) as ds:
+        with Prefetcher(ds, 4, "cpu", start_batch=3) as loader:
+            for wx, wy in want:
+                x, y = loader.next()
+                assert torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_streaming_errors(tmp_path, text_corpus):
+    from tilewise.data import Prefetcher, StreamingDataset
+    _, _, _, tok = text_corpus
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_bytes(b"\x00binary")
+    with StreamingDataset([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], tok, 8, num_workers=0) as ds:
+        with Prefetcher(ds, 2, "cpu") as loader:
+            with pytest.raises(DataError, match="no readable text in 2 input files: 1 binary or non-UTF-8, 1 empty"):
+                loader.next()
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine words here"}\n' * 10 + "oops\n")
+    with StreamingDataset([str(tmp_path / "bad.jsonl")], tok, 4, num_workers=0, piece_bytes=64) as ds:
+        with pytest.raises(DataError, match=r"bad\.jsonl: byte offset 280: not a JSON object"):
+            for k in range(100):
+                ds.rows(k, 2)
+    with pytest.raises(DataError, match="does not exist"):
+        StreamingDataset([str(tmp_path / "none.txt")], tok, 4)
+    with pytest.raises(DataError, match="tokenizer file .* does not exist"):
+        StreamingDataset([str(tmp_path / "a.txt")], str(tmp_path / "tok.json"), 4)

@@ -1,7 +1,7 @@
 """The data pipeline: corpus -> token shards (corpus.py) -> rows (dataset.py) -> batches on the device (prefetch.py)."""
 from .corpus import DataError, default_corpus_files, prepare, token_dtype, write_token_shards
-from .dataset import TokenDataset, cu_seqlens_of, load_meta, unigram_val_loss
+from .dataset import StreamingDataset, TokenDataset, cu_seqlens_of, load_meta, unigram_val_loss
 from .prefetch import Prefetcher
 
 __all__ = ["DataError", "default_corpus_files", "prepare", "token_dtype", "write_token_shards",
-           "TokenDataset", "cu_seqlens_of", "load_meta", "unigram_val_loss", "Prefetcher"]
+           "TokenDataset", "StreamingDataset", "cu_seqlens_of", "load_meta", "unigram_val_loss", "Prefetcher"]

@@ -87,11 +87,11 @@ class _Shards:
         return self.paths[k], stream_offset - int(self.starts[k])
 
 
-def _check_int(name: str, value, low: int):
+def _check_int(name: str, value, low: int, owner: str = "TokenDataset"):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"TokenDataset: {name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__}")
     if value < low:
-        raise ValueError(f"TokenDataset: {name}={value}; expected an int >= {low}")
+        raise ValueError(f"{owner}: {name}={value}; expected an int >= {low}")
 
 
 def cu_seqlens_of(inputs, eot_id: int) -> torch.Tensor:
@@ -104,7 +104,42 @@ def cu_seqlens_of(inputs, eot_id: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(cuts).astype(np.int32))
 
 
-class TokenDataset:
+class _RowSource:
+    """What TokenDataset and StreamingDataset share: batch() on top of rows(), and the batch argument checks."""
+
+    seq_len: int
+    eot_id: int
+    world_size: int
+    rank: int
+
+    def _local_rows(self, index: int, batch_size: int) -> int:
+        _check_int("index", index, 0, type(self).__name__)
+        _check_int("batch_size", batch_size, 1, type(self).__name__)
+        if batch_size % self.world_size:
+            raise ValueError(f"{type(self).__name__}: batch_size={batch_size} is the global batch and must be a "
+                             f"multiple of world_size={self.world_size}")
+        return batch_size // self.world_size
+
+    def _out(self, out, local: int) -> np.ndarray:
+        width = self.seq_len + 1
+        if out is None:
+            return np.empty((local, width), dtype=np.int64)
+        if out.shape != (local, width) or out.dtype != np.int64:
+            raise ValueError(f"{type(self).__name__}.rows: out is {out.dtype} {out.shape}; expected int64 {(local, width)}")
+        return out
+
+    def batch(self, index: int, batch_size: int, *, with_cu_seqlens: bool = False):
+        """(inputs, targets) int64 (batch_size // world_size, seq_len) of global batch `index`, targets shifted by one;
+        with_cu_seqlens=True adds the int32 document offsets over the flattened inputs (module docstring)."""
+        rows = self.rows(index, batch_size)
+        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
+        targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+        if with_cu_seqlens:
+            return inputs, targets, cu_seqlens_of(inputs, self.eot_id)
+        return inputs, targets
+
+
+class TokenDataset(_RowSource):
     """Fixed-length training rows from the token shards of `prepare`, in a global order that depends only on (seed, epoch)."""
 
     def __init__(self, data_dir: str, split: str, seq_len: int, *, seed: int = 0, rank: int = 0, world_size: int = 1):
@@ -148,17 +183,7 @@ class TokenDataset:
 
     def rows(self, index: int, batch_size: int, out: np.ndarray | None = None) -> np.ndarray:
         """This rank's rows of global batch `index`: int64 (batch_size // world_size, seq_len + 1)."""
-        _check_int("index", index, 0)
-        _check_int("batch_size", batch_size, 1)
-        if batch_size % self.world_size:
-            raise ValueError(f"TokenDataset: batch_size={batch_size} is the global batch and must be a multiple "
-                             f"of world_size={self.world_size}")
-        local = batch_size // self.world_size
-        width = self.seq_len + 1
-        if out is None:
-            out = np.empty((local, width), dtype=np.int64)
-        elif out.shape != (local, width) or out.dtype != np.int64:
-            raise ValueError(f"TokenDataset.rows: out is {out.dtype} {out.shape}; expected int64 {(local, width)}")
+        out = self._out(out, self._local_rows(index, batch_size))
         positions = index * batch_size + np.arange(self.rank, batch_size, self.world_size, dtype=np.int64)
         epochs, slots = np.divmod(positions, self.rows_per_epoch)
         for i, (e, s) in enumerate(zip(epochs.tolist(), slots.tolist())):
@@ -170,16 +195,6 @@ class TokenDataset:
             raise DataError(f"token id {int(out[i, j])} >= vocab_size {self.vocab_size} in {path} at token offset "
                             f"{offset} (byte {offset * self._shards.dtype.itemsize}); the shard does not match meta.json")
         return out
-
-    def batch(self, index: int, batch_size: int, *, with_cu_seqlens: bool = False):
-        """(inputs, targets) int64 (batch_size // world_size, seq_len) of global batch `index`, targets shifted by one;
-        with_cu_seqlens=True adds the int32 document offsets over the flattened inputs (module docstring)."""
-        rows = self.rows(index, batch_size)
-        inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
-        targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
-        if with_cu_seqlens:
-            return inputs, targets, cu_seqlens_of(inputs, self.eot_id)
-        return inputs, targets
 
 
 def _bincount(shards: _Shards, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
@@ -203,3 +218,224 @@ def unigram_val_loss(data_dir: str) -> float:
         raise DataError(f"the val split of {data_dir} is empty: a unigram loss needs at least one val token")
     log_p = np.log(train + 1.0) - np.log(train.sum() + float(vocab))
     return float(-(val * log_p).sum() / val.sum())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming: text and JSONL tokenized on the fly by worker processes
+
+
+class StreamingDataset(_RowSource):
+    """Rows of a token stream tokenized while training runs, for corpora not pre-tokenized (same rows()/batch()
+    contract as TokenDataset, so a Prefetcher can drive it).
+
+    The stream: epoch e takes the input files in the order numpy.random.default_rng((seed, e)).permutation, each
+    file's documents (one per file, or one per JSONL line) each followed by eot, and the epochs follow each other.
+    Row k is the window of seq_len + 1 tokens at k * seq_len; global batch `index` is rows index*B ... index*B+B-1
+    (no shuffle beyond the file order: that is the price of streaming), rank r taking rows r, r + W, ...
+    Worker processes (spawned) tokenize pieces (a file, or ~piece_bytes of a JSONL file's lines) ahead, in order.
+    Every rank tokenizes the whole stream, so the order never depends on the world size or the worker count.
+    Access is sequential: asking for an earlier batch restarts the stream, a later one tokenizes the gap, so a
+    resume at batch N re-tokenizes N batches' worth (a prepared TokenDataset resumes at once). close() stops
+    the workers.
+    """
+
+    def __init__(self, inputs, tokenizer: str, seq_len: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 2, vocab_size: int | None = None, piece_bytes: int = 4 << 20):
+        from . import corpus
+
+        owner = "StreamingDataset"
+        for name, value, low in (("seq_len", seq_len, 1), ("seed", seed, 0), ("world_size", world_size, 1),
+                                 ("rank", rank, 0), ("num_workers", num_workers, 0), ("piece_bytes", piece_bytes, 1)):
+            _check_int(name, value, low, owner)
+        if rank >= world_size:
+            raise ValueError(f"{owner}: rank={rank} is not below world_size={world_size}")
+        self._files = corpus.resolve_inputs(inputs)
+        tok = corpus._load_tokenizer(os.fspath(tokenizer))
+        if vocab_size is not None and vocab_size < tok.get_vocab_size():
+            raise DataError(f"vocab_size {vocab_size} is smaller than the {tok.get_vocab_size()} tokens of {tokenizer}")
+        self._tok, self._tok_json = tok, tok.to_str()
+        self.vocab_size: int = int(vocab_size or tok.get_vocab_size())
+        self.eot_id: int = int(tok.token_to_id(corpus.EOT))
+        self.seq_len, self.seed, self.rank, self.world_size = int(seq_len), int(seed), int(rank), int(world_size)
+        self.num_workers, self.piece_bytes = int(num_workers), int(piece_bytes)
+        self._pool = None
+        self._restart()
+
+    def _restart(self):
+        for _, _, future in getattr(self, "_pending", []):
+            if hasattr(future, "cancel"):
+                future.cancel()
+        self._pieces = self._piece_stream()
+        self._pending: list = []  # (epoch, last piece of its epoch?, future), in stream order
+        self._buf = np.zeros(0, dtype=np.int64)  # stream tokens [buf_start, buf_start + len(buf))
+        self._buf_start = 0
+        self._next_index = 0
+        self._epoch_tokens = 0
+        self.skipped = {"binary_or_non_utf8": 0, "empty": 0, "jsonl_no_text": 0}
+
+    def _piece_stream(self):
+        from .corpus import JSONL_SUFFIXES
+        epoch = 0
+        while True:
+            pieces = []
+            for i in np.random.default_rng((self.seed, epoch)).permutation(len(self._files)).tolist():
+                path = self._files[i][1]
+                size = os.path.getsize(path)
+                if path.lower().endswith(JSONL_SUFFIXES) and size > self.piece_bytes:
+                    pieces += [(path, True, a, min(a + self.piece_bytes, size)) for a in range(0, size, self.piece_bytes)]
+                else:
+                    pieces.append((path, path.lower().endswith(JSONL_SUFFIXES), 0, size))
+            for k, piece in enumerate(pieces):
+                yield epoch, k == len(pieces) - 1, piece
+            epoch += 1
+
+    def _submit(self):
+        epoch, last, piece = next(self._pieces)
+        if self.num_workers == 0:
+            result = _tokenize_piece(piece, self._tok, self.eot_id)
+            self._pending.append((epoch, last, _Done(result)))
+            return
+        if self._pool is None:
+            import concurrent.futures
+            import multiprocessing
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_stream_worker_init, initargs=(self._tok_json,))
+        self._pending.append((epoch, last, self._pool.submit(_stream_worker_tokenize, piece, self.eot_id)))
+
+    def _fill(self, end: int):
+        """Tokenize until the buffer reaches stream offset `end`, keeping num_workers * 2 pieces in flight."""
+        ahead = max(1, 2 * self.num_workers)
+        while self._buf_start + self._buf.size < end:
+            while len(self._pending) < ahead:
+                self._submit()
+            epoch, last, future = self._pending.pop(0)
+            tokens, skipped = future.result()  # a worker's exception (DataError included) is raised here
+            for key, n in skipped.items():
+                self.skipped[key] += n
+            self._epoch_tokens += tokens.size
+            if last:
+                if self._epoch_tokens == 0:  # only epoch 0 can be empty: every epoch reads the same files
+                    from .corpus import _raise_no_text
+                    _raise_no_text(self._files, self.skipped)
+                self._epoch_tokens = 0
+            if tokens.size:
+                self._buf = np.concatenate([self._buf, tokens.astype(np.int64)])
+
+    def _drop_before(self, offset: int):
+        """Forget the stream before `offset`, tokenizing up to it first when it lies ahead (piece by piece)."""
+        while self._buf_start + self._buf.size < offset:
+            self._fill(self._buf_start + self._buf.size + 1)
+            end = self._buf_start + self._buf.size
+            self._buf, self._buf_start = self._buf[min(offset, end) - self._buf_start:].copy(), min(offset, end)
+        cut = offset - self._buf_start
+        if cut > 0:
+            self._buf = self._buf[cut:].copy()
+            self._buf_start = offset
+
+    def rows(self, index: int, batch_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """This rank's rows of global batch `index` (sequential access is cheap; see the class docstring)."""
+        out = self._out(out, self._local_rows(index, batch_size))
+        if index < self._next_index:
+            self._restart()
+        L = self.seq_len
+        first = index * batch_size  # the global row where this batch starts
+        self._drop_before(first * L)
+        self._fill((first + batch_size) * L + 1)
+        for i, row in enumerate(range(first + self.rank, first + batch_size, self.world_size)):
+            lo = row * L - self._buf_start
+            out[i] = self._buf[lo:lo + L + 1]
+        self._drop_before((first + batch_size) * L)
+        self._next_index = index + 1
+        return out
+
+    def close(self):
+        """Stop the worker processes."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Done:
+    """A finished result with a future's result() (the in-process path, num_workers=0)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+_worker_tokenizer = None  # each worker process's tokenizer, built once by the pool initializer
+
+
+def _stream_worker_init(tokenizer_json: str):
+    global _worker_tokenizer
+    from tokenizers import Tokenizer
+    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+
+
+def _stream_worker_tokenize(piece, eot_id: int):
+    return _tokenize_piece(piece, _worker_tokenizer, eot_id)
+
+
+def _tokenize_piece(piece, tok, eot_id: int):
+    """Tokens (uint32, each document followed by eot) and skip counts of one piece: (path, is_jsonl, start, end).
+    A JSONL piece owns the lines that start in [start, end)."""
+    from .corpus import _documents, _encode
+
+    path, jsonl, start, end = piece
+    skipped = {"binary_or_non_utf8": 0, "empty": 0, "jsonl_no_text": 0}
+    if not jsonl or (start == 0 and end == os.path.getsize(path)):
+        texts = [text for _, text in _documents(path, path, skipped)]
+    else:
+        texts = []
+        with open(path, "rb") as f:
+            f.seek(max(start - 1, 0))
+            if start > 0 and f.read(1) != b"\n":
+                f.readline()  # the line under way at `start` belongs to the piece before
+            while f.tell() < end:
+                offset, raw = f.tell(), f.readline()
+                if not raw:
+                    break
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    skipped["binary_or_non_utf8"] += 1
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    raise DataError(f"{path}: byte offset {offset}: not a JSON object (a JSONL file needs one "
+                                    f"object with a \"text\" string per line)") from None
+                doc = obj.get("text") if isinstance(obj, dict) else None
+                if not isinstance(doc, str):
+                    skipped["jsonl_no_text"] += 1
+                elif not doc.strip():
+                    skipped["empty"] += 1
+                else:
+                    texts.append(doc)
+    if not texts:
+        return np.zeros(0, dtype=np.uint32), skipped
+    ids = _encode(tok, texts)
+    tokens = np.empty(sum(len(x) + 1 for x in ids), dtype=np.uint32)
+    pos = 0
+    for x in ids:
+        tokens[pos:pos + len(x)] = x
+        tokens[pos + len(x)] = eot_id
+        pos += len(x) + 1
+    return tokens, skipped
