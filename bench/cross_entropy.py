@@ -221,6 +221,18 @@ def linear_case(ops, liger_flce, liger_missing, tokens, width, rep):
         targets["time_vs_compile"] = tw["ms"] / comp["ms"]
         targets["time_target_met"] = tw["ms"] <= comp["ms"]
     out[0]["targets"] = targets
+    # The chunk size trades memory for time (grad_weight's fp32 accumulator is read and written per chunk).
+    from tilewise.ops.cross_entropy import default_chunk_rows, linear_cross_entropy_fused
+    variants = {"default_chunk_rows": default_chunk_rows(tokens, vocab, 2)}
+    for chunk in (1024, 4096):
+        fn = (lambda c: lambda: linear_cross_entropy_fused(hidden, weight, target, chunk_rows=c))(chunk)
+        try:
+            variants[f"chunk_rows={chunk}"] = {"gb": peak_gb(fn, leaves), "ms": time_ms(fn, leaves, rep)}
+        except Exception as e:  # noqa: BLE001
+            variants[f"chunk_rows={chunk}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        for t in leaves:
+            t.grad = None
+    out[0]["tilewise_variants"] = variants
     return out
 
 

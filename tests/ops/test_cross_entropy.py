@@ -151,7 +151,7 @@ def test_cross_entropy_3d_and_strided_logits(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_kernel_writes_every_element(dtype, device):
-    """The launcher on NaN-filled outputs, with 16-wide slices so the 1000-wide rows take 63 of them, the
+    """The launcher on NaN-filled outputs, with 128-wide slices so the 1000-wide rows take 8 of them, the
     last partial; then the forward and backward in one launch writing the gradient over the logits."""
     gen = torch.Generator().manual_seed(4)
     rows, vocab = 9, 1000
@@ -159,10 +159,10 @@ def test_row_kernel_writes_every_element(dtype, device):
     target = make_targets(rows, vocab, gen, device, every=3)
     nan = dict(device=device, dtype=torch.float32)
     loss, lse = torch.full((rows,), math.nan, **nan), torch.full((rows,), math.nan, **nan)
-    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, loss=loss, lse=lse, block_v=16)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, loss=loss, lse=lse, block_v=128)
     grad = torch.full_like(logits, math.nan)
     scale = torch.rand(rows, generator=gen).to(device)
-    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, lse=lse, grad=grad, scale=scale, block_v=16)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, lse=lse, grad=grad, scale=scale, block_v=128)
 
     x64 = logits.double().requires_grad_()
     ref = cross_entropy_reference(x64, target, z_loss=1e-3, reduction="none")
@@ -177,7 +177,7 @@ def test_row_kernel_writes_every_element(dtype, device):
     inplace = logits.clone()
     loss2 = torch.full((rows,), math.nan, **nan)
     ce_rows(inplace, target, ignore_index=-100, z_loss=1e-3, loss=loss2, lse=lse, grad=inplace, scale=scale,
-            block_v=16)
+            block_v=128)
     assert torch.equal(loss2, loss)
     assert torch.equal(inplace, grad)
 

@@ -63,9 +63,12 @@ def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
     cols0 = tl.arange(0, BLOCK_V)
 
     if FORWARD:
+        # Read x[target] before the loop: when the gradient overwrites the logits, the loop's cross-warp
+        # reductions (barriers) order this read before any warp's first store.
+        x_t = tl.load(x_row + target, mask=valid & (not out_of_range), other=0.0).to(tl.float32)
         # -1e30, not -inf, so that a slice whose logits are all -inf cannot make exp(-inf - -inf) = NaN.
-        m = tl.max(tl.full([BLOCK_V], -1.0e30, tl.float32), axis=0)
-        s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+        m = tl.full([], -1.0e30, tl.float32)
+        s = tl.full([], 0.0, tl.float32)
         for start in range(0, n_vocab, BLOCK_V):
             cols = start + cols0
             x = tl.load(x_row + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
@@ -73,7 +76,6 @@ def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
         lse = m + tl.log(s)
-        x_t = tl.load(x_row + target, mask=valid & (target >= 0) & (target < n_vocab), other=0.0).to(tl.float32)
         loss = lse - x_t
         if HAS_Z:
             loss += z_loss * lse * lse
@@ -105,7 +107,13 @@ def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
 # ---------------------------------------------------------------------------------------------- launchers
 
 def _block_v(n_vocab):
-    return max(16, min(4096, triton.next_power_of_2(n_vocab)))
+    return max(128, min(4096, triton.next_power_of_2(n_vocab)))
+
+
+def _num_warps(block):
+    # At least 4 elements per thread: no element is held by two threads, which could race when the
+    # gradient is written over the logits.
+    return max(1, min(8, block // 512))
 
 
 def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=None, scale=None,
@@ -126,12 +134,14 @@ def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=N
     else:
         scale, stride_scale = lse, 0
     block = block_v or _block_v(n_vocab)
+    if block < 128 or block & (block - 1):
+        raise ValueError(f"ce_rows: block_v={block_v}; expected a power of two >= 128")
     _ce_row_kernel[(n_rows,)](
         logits, logits.stride(0), grad if backward else logits, (grad if backward else logits).stride(0),
         target, loss if forward else lse, lse, scale, stride_scale, n_vocab, ignore_index, float(z_loss),
         FORWARD=forward, BACKWARD=backward, HAS_Z=z_loss != 0.0,
         OUT_BF16=backward and grad.dtype == torch.bfloat16, BLOCK_V=block,
-        num_warps=8 if block >= 4096 else 4)
+        num_warps=_num_warps(block))
 
 
 _FP32_OUT_MM_OK = {}  # (device, dtype) -> whether addmm(..., torch.float32) accumulates correctly there
