@@ -165,7 +165,7 @@ def _documents(name: str, path: str, skipped: dict | None = None):
         else:
             count("empty")
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         try:
@@ -382,6 +382,10 @@ def prepare(out_dir: str, inputs: list[str] | None = None, *, vocab_size: int | 
     eot_id = tok.token_to_id(EOT)
     dtype = token_dtype(meta_vocab)
 
+    if inputs is None:
+        specs = None
+    else:
+        specs = [os.fspath(x) for x in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".prepare-{os.getpid()}-{time.monotonic_ns()}")
     os.makedirs(tmp)
@@ -390,8 +394,7 @@ def prepare(out_dir: str, inputs: list[str] | None = None, *, vocab_size: int | 
         meta.update({
             "format": FORMAT, "vocab_size": int(meta_vocab), "tokenizer_vocab_size": int(tok.get_vocab_size()),
             "eot_id": int(eot_id), "dtype": dtype.name, "tokenizer": "tokenizer.json", "fingerprint": fingerprint,
-            "inputs": {"specs": None if inputs is None else [os.fspath(s) for s in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)],
-                       "files": len(files), "bytes": int(sum(s[2] for s in stats))},
+            "inputs": {"specs": specs, "files": len(files), "bytes": int(sum(s[2] for s in stats))},
             "seed": seed, "val_fraction": float(val_fraction),
         })
         tok.save(os.path.join(tmp, "tokenizer.json"))

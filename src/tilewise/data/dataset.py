@@ -11,6 +11,9 @@ A batch reads B * (seq_len + 1) tokens from the page cache (2 or 4 bytes each) a
 With cu_seqlens, each row is cut into its documents (a new one starts after every eot), so attention can keep
 to one document: offsets over the flattened (B, seq_len) inputs, int32, with every row start among them; no
 piece is longer than seq_len, so max_seqlen = seq_len is always a valid bound.
+
+StreamingDataset (at the end) serves the same rows()/batch() contract from text and JSONL tokenized on the fly
+by worker processes, for corpora that were never prepared; its order is sequential within a seeded file order.
 """
 from __future__ import annotations
 
