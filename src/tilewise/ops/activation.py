@@ -1,31 +1,274 @@
-"""Fused activations: bias + GELU (tanh approximation) and SwiGLU.
+"""Fused activations: bias + GELU (tanh approximation) and SwiGLU, forward and backward.
 
-Each reads its input once and writes its output once; the Triton kernels come with their own issue, and
-until they land the reference serves every device.
+bias_gelu: y = gelu_tanh(x + b), written as u * sigmoid(2z) with u = x + b, z = sqrt(2/pi) (u + 0.044715 u^3)
+(the same function as 0.5 u (1 + tanh z)). Forward reads x once and writes y once. Backward recomputes u
+from x and b: dx = dy * (s + 2 u s (1 - s) z'(u)), s = sigmoid(2z); dbias = sum of dx over rows, in two
+stages (each persistent program sums its row tiles in registers into an fp32 row of partials; torch sums
+those). Bytes: forward x, y; backward dy, x, dx.
+
+swiglu: gate_up (..., 2F) -> silu(gate) * up, gate the first half of the last dim, up the second.
+Backward: dgate = dy * up * s (1 + gate (1 - s)), s = sigmoid(gate); dup = dy * silu(gate). Bytes: forward
+3F a row, backward 5F a row.
+
+Math is in fp32 whatever the storage dtype.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .dispatch import use_triton
+from .norm import resident_programs
+
+@triton.jit
+def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    u = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        u += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = u * tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u * u * u))     # 2 sqrt(2/pi) = 1.59576...
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(DY, X, B, DX, DBp, M, N, n_tiles, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Row tiles pid, pid + programs, ... of column block pid1; the bias gradient summed per column."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        u = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            u += b
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        u2 = u * u
+        s = tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u2 * u))     # sigmoid(2z)
+        dx = dy * (s + u * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 3.0 * 0.044715 * u2)))
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db += dx
+    if HAS_BIAS:
+        tl.store(DBp + pid.to(tl.int64) * N + cols, tl.sum(db, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(GU, Y, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    gate_offs = r64 * (2 * F) + cols[None, :]
+    g = tl.load(GU + gate_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + gate_offs + F, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + r64 * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, GU, DGU, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    gate_offs = r64 * (2 * F) + cols[None, :]
+    dy = tl.load(DY + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(GU + gate_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + gate_offs + F, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dgate = dy * u * s * (1.0 + g * (1.0 - s))
+    dup = dy * g * s
+    tl.store(DGU + gate_offs, dgate.to(DGU.dtype.element_ty), mask=mask)
+    tl.store(DGU + gate_offs + F, dup.to(DGU.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+def _tile(width: int) -> tuple[int, int, int]:
+    """Elementwise tiles of 4096 elements (16 a thread over 8 warps), at most 1024 columns wide."""
+    block_n = min(1024, max(16, triton.next_power_of_2(width)))
+    return max(1, 4096 // block_n), block_n, 8
+
+
+def _bias_gelu_forward(x, bias, out_dtype):
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if y.numel():
+        bm, bn, warps = _tile(N)
+        _bias_gelu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            x, bias if bias is not None else x, y, M, N, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=warps)
+    return y
+
+
+def _bias_gelu_backward(dy, x, bias):
+    """Returns dx and the fp32 bias gradient (empty without a bias)."""
+    M, N = x.shape
+    has_bias = bias is not None
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if not dx.numel():
+        return dx, torch.zeros(N if has_bias else 0, dtype=torch.float32, device=x.device)
+    bm, bn, warps = _tile(N)
+    n_tiles, n_col = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    dbp = torch.empty((1, N), dtype=torch.float32, device=x.device)
+    args = [dy, x, bias if has_bias else x, dx, dbp, M, N, n_tiles]
+    meta = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=2, num_warps=warps)
+    programs = n_tiles      # nothing to sum without a bias: one program a tile
+    if has_bias:
+        programs = resident_programs(_bias_gelu_bwd_kernel, args, meta, n_tiles, x.device, n_col)
+        args[4] = dbp = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    _bias_gelu_bwd_kernel[(programs, n_col)](*args, **meta)
+    return dx, (dbp.sum(0) if has_bias else dbp.new_empty(0))
+
+
+def _swiglu_forward(gu):
+    M, F2 = gu.shape
+    y = torch.empty((M, F2 // 2), dtype=gu.dtype, device=gu.device)
+    if y.numel():
+        bm, bn, warps = _tile(F2 // 2)
+        _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn))](gu, y, M, F2 // 2, BLOCK_M=bm,
+                                                                            BLOCK_N=bn, num_warps=warps)
+    return y
+
+
+def _swiglu_backward(dy, gu):
+    M, F2 = gu.shape
+    dgu = torch.empty_like(gu)
+    if dgu.numel():
+        bm, bn, warps = _tile(F2 // 2)
+        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn))](dy, gu, dgu, M, F2 // 2, BLOCK_M=bm,
+                                                                            BLOCK_N=bn, num_warps=warps)
+    return dgu
+
+
+# Custom ops, so torch.compile keeps them as opaque nodes in its graph.
+
+@torch.library.custom_op("tilewise::bias_gelu_fwd", mutates_args=())
+def _bias_gelu_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _bias_gelu_forward(x, bias, out_dtype)
+
+
+@_bias_gelu_fwd_op.register_fake
+def _(x, bias, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("tilewise::bias_gelu_bwd", mutates_args=())
+def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bias_gelu_backward(dy, x, bias)
+
+
+@_bias_gelu_bwd_op.register_fake
+def _(dy, x, bias):
+    return torch.empty_like(x), x.new_empty((x.shape[1] if bias is not None else 0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilewise::swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_forward(gate_up)
+
+
+@_swiglu_fwd_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.custom_op("tilewise::swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return _swiglu_backward(dy, gate_up)
+
+
+@_swiglu_bwd_op.register_fake
+def _(dy, gate_up):
+    return torch.empty_like(gate_up)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> contiguous (M, N), a view when t is contiguous."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+class BiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        out_dtype = torch.promote_types(x.dtype, bias.dtype) if bias is not None else x.dtype
+        x2 = _rows(x)
+        y = torch.ops.tilewise.bias_gelu_fwd(x2, bias, out_dtype)
+        ctx.save_for_backward(x2, bias)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, bias = ctx.saved_tensors
+        dx, db = torch.ops.tilewise.bias_gelu_bwd(_rows(dy), x2, bias)
+        return dx.view(ctx.shape), (db.to(bias.dtype) if bias is not None else None)
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        gu = _rows(gate_up)
+        ctx.save_for_backward(gu)
+        ctx.shape = gate_up.shape
+        return torch.ops.tilewise.swiglu_fwd(gu).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gu,) = ctx.saved_tensors
+        return torch.ops.tilewise.swiglu_bwd(_rows(dy), gu).view(ctx.shape)
+
+
+# --------------------------------------------------------------------------------------------- public ops
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_input(name, what, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} is a {type(t).__name__}; expected a torch.Tensor")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name}: {what} dtype {t.dtype}; expected bf16, fp16 or fp32")
+    if t.dim() < 1:
+        raise ValueError(f"{name}: {what} is a 0-dim tensor; expected at least one dimension")
 
 
 def bias_gelu(x, bias=None):
     """gelu_tanh(x + bias), bias broadcast over the last dim."""
-    if bias is not None and bias.shape != (x.shape[-1],):
-        raise ValueError(f"bias_gelu: bias shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
-    if use_triton(x):
-        raise NotImplementedError("the Triton bias+GELU kernel has not landed yet; use ops.use('reference')")
+    _check_input("bias_gelu", "x", x)
+    if bias is not None:
+        _check_input("bias_gelu", "bias", bias)
+        if bias.shape != (x.shape[-1],):
+            raise ValueError(f"bias_gelu: bias shape {tuple(bias.shape)}; expected ({x.shape[-1]},)")
+        if bias.device != x.device:
+            raise ValueError(f"bias_gelu: bias is on {bias.device} but x is on {x.device}")
+    if use_triton(x) and x.dtype != torch.float64 and (bias is None or bias.dtype != torch.float64):
+        return BiasGelu.apply(x, bias)
     return bias_gelu_reference(x, bias)
 
 
 def swiglu(gate_up):
     """silu(gate) * up, where gate and up are the first and second halves of the last dim."""
+    _check_input("swiglu", "gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: last dim {gate_up.shape[-1]} must be even (gate and up halves)")
-    if use_triton(gate_up):
-        raise NotImplementedError("the Triton SwiGLU kernel has not landed yet; use ops.use('reference')")
+    if use_triton(gate_up) and gate_up.dtype != torch.float64:
+        return SwiGLU.apply(gate_up)
     return swiglu_reference(gate_up)
 
 

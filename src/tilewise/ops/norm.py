@@ -1,25 +1,472 @@
 """Residual add + dropout + LayerNorm/RMSNorm: h = residual + dropout(x), y = norm(h) * weight (+ bias).
 
-Between the GEMMs of a transformer block these are memory-bound: fused, x and residual are read once and
-y and h written once. The Triton kernels come with their own issue; until they land the reference serves
-every device.
+Forward, one pass over rows. A program takes BLOCK_M whole rows (several when rows are narrow, so each
+program moves enough bytes), forms h in fp32, rounds it to the residual dtype and stores it, takes the
+fp32 mean and rstd of that stored h, and writes y. The dropout mask comes from Philox keyed by
+(seed, row, column), so the backward regenerates it and nothing is stored. Bytes: read x, residual and
+weight; write y and h, plus 8 bytes of statistics per row. Rows wider than _MAX_FWD_ROW go by chunks in
+two passes: statistics (Chan's merge of chunk means and squared deviations), then h and y, the second
+pass re-reading x and residual, mostly from L2.
+
+Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
+    dh = rstd * (g - mean(g) - hhat * mean(g * hhat)) + dh_in        (RMSNorm drops the mean(g) term)
+    dresidual = dh,  dx = keep * dh / (1 - p).
+dh_in is the gradient arriving at h, which the next block consumes. A persistent grid: each program walks
+a strided set of row tiles, sums dy * hhat and dy per column in registers and writes one fp32 row of
+partial sums; a small reduction over those rows (stage two) gives dweight and dbias, with no atomics.
+Bytes: read dy, dh_in, h and weight; write dx and dresidual (one tensor serves both when there is no
+dropout and the dtypes agree). Rows wider than _MAX_BWD_ROW: a per-row kernel takes mean(g) and
+mean(g * hhat) first, then the same kernel runs with the columns split across programs.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .dispatch import use_triton
 
 NORM_KINDS = ("layernorm", "rmsnorm")
+_MAX_FWD_ROW = 16384    # widest row the forward keeps in registers
+_MAX_BWD_ROW = 8192     # the backward holds more per element (dy, h, dh_in, two column sums)
 
+
+@triton.jit
+def _keep_mask(seed, rows, col0, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dropout keep-mask of the tile rows x [col0, col0 + BLOCK_N); col0 is a multiple of 4.
+
+    One Philox call per (row, group of 4 columns) gives four 32-bit words, one per column; an element is
+    kept when the top 31 bits of its word are >= thr = p * 2**31. The mask depends only on (seed, row,
+    column), never on the tiling, so the backward and keep_mask() reproduce it.
+    """
+    quads = (col0 // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
+    c0 = tl.broadcast_to(quads[None, :], (BLOCK_M, BLOCK_N // 4))
+    c1 = tl.broadcast_to(rows.to(tl.uint32)[:, None], (BLOCK_M, BLOCK_N // 4))
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero, zero)
+    # interleave so that column 4*q + k takes word k of quad q
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    return (words >> 1).to(tl.int32) >= thr
+
+
+@triton.jit
+def _residual_sum(X, R, rows, offs_x, offs_r, mask, col0, seed, thr, scale,
+                  HAS_RES: tl.constexpr, HAS_DROP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """residual + dropout(x) of one tile, in fp32."""
+    h = tl.load(X + offs_x, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROP:
+        h = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), h * scale, 0.0)
+    if HAS_RES:
+        h += tl.load(R + offs_r, mask=mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fwd_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
+                HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Tiles of BLOCK_M whole rows held in registers; a persistent program walks tiles pid, pid + programs,
+    ..., its loop software-pipelined so the next tile's loads overlap this tile's reductions and stores."""
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask, 0,
+                          seed, thr, scale, HAS_RES, HAS_DROP, BLOCK_M, BLOCK_N)
+        h = h.to(H.dtype.element_ty)
+        tl.store(H + r64 * N + cols[None, :], h, mask=mask)
+        h = h.to(tl.float32)            # the statistics are those of the stored h, as the backward sees it
+        if IS_RMS:
+            hc = h
+        else:
+            mean = tl.sum(h, axis=1) / N
+            tl.store(Mean + rows, mean, mask=row_ok)
+            hc = tl.where(mask, h - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(hc * hc, axis=1) / N + eps)
+        tl.store(Rstd + rows, rstd, mask=row_ok)
+        y = hc * rstd[:, None] * w
+        if HAS_BIAS:
+            y += b
+        tl.store(Y + r64 * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale,
+                        HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+                        HAS_DROP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One wide row per program, by chunks: statistics first, then h and y."""
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)
+    r64 = rows.to(tl.int64)[:, None]
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for col0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        mask = (cols < N)[None, :]
+        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask,
+                          col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
+        h = h.to(H.dtype.element_ty).to(tl.float32)
+        if IS_RMS:
+            m2 += tl.sum(h * h)
+        else:
+            n_chunk = tl.minimum(N - col0, BLOCK_N).to(tl.float32)
+            mean_chunk = tl.sum(h) / n_chunk
+            dev = tl.where(mask, h - mean_chunk, 0.0)
+            delta = mean_chunk - mean
+            total = count + n_chunk
+            mean += delta * (n_chunk / total)
+            m2 += tl.sum(dev * dev) + delta * delta * (count * n_chunk / total)
+            count = total
+    rstd = tl.rsqrt(m2 / N + eps)
+    if not IS_RMS:
+        tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+    for col0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        mask = col_ok[None, :]
+        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask,
+                          col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
+        h = h.to(H.dtype.element_ty)
+        tl.store(H + r64 * N + cols[None, :], h, mask=mask)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = (h.to(tl.float32) - mean) * rstd * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + r64 * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_row_sums_kernel(DY, H, W, Mean, Rstd, C1, C2, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+    """For wide rows: C1 = mean(g * hhat), C2 = mean(g) of each row, by chunks."""
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * N
+    rstd = tl.load(Rstd + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(Mean + row)
+    acc1 = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    for col0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
+        cols = col0 + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        dy = tl.load(DY + base + cols, mask=ok, other=0.0).to(tl.float32)
+        h = tl.load(H + base + cols, mask=ok, other=0.0).to(tl.float32)
+        g = dy * tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        acc1 += g * tl.where(ok, (h - mean) * rstd, 0.0)
+        acc2 += g
+    tl.store(C1 + row, tl.sum(acc1) / N)
+    if not IS_RMS:
+        tl.store(C2 + row, tl.sum(acc2) / N)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _bwd_kernel(DY, DHIN, H, W, Mean, Rstd, C1, C2, DX, DR, DWp, DBp, M, N, n_tiles, seed, thr, scale,
+                HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+                HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
+    """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT).
+
+    The loop is software-pipelined (NUM_STAGES): the next tile's loads are in flight while this one computes.
+    """
+    pid = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+        if IS_RMS:
+            hhat = h * rstd
+        else:
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
+            hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        dw += dy * hhat
+        if HAS_BIAS:
+            db += dy
+        g = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SPLIT:
+            c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
+        else:
+            c1 = (tl.sum(g * hhat, axis=1) / N)[:, None]
+        dh = g - hhat * c1
+        if not IS_RMS:
+            if SPLIT:
+                dh -= tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
+            else:
+                dh -= (tl.sum(g, axis=1) / N)[:, None]
+        dh *= rstd
+        if HAS_DHIN:
+            dh += tl.load(DHIN + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DR:
+            tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
+        if HAS_DROP:
+            dh = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), dh * scale, 0.0)
+        tl.store(DX + offs, dh.to(DX.dtype.element_ty), mask=mask)
+    part = pid.to(tl.int64) * N + cols
+    tl.store(DWp + part, tl.sum(dw, axis=0), mask=col_ok)
+    if HAS_BIAS:
+        tl.store(DBp + part, tl.sum(db, axis=0), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _keep_mask_kernel(Out, M, N, seed, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    keep = _keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N)
+    tl.store(Out + rows.to(tl.int64)[:, None] * N + cols[None, :], keep.to(tl.int8), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+class Config(NamedTuple):
+    """A launch shape: rows per tile, columns per tile (a chunk when chunked), warps, chunked or not,
+    software-pipeline stages of the row loop."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    chunked: bool = False
+    num_stages: int = 2
+
+
+def _config(width: int, max_row: int) -> Config:
+    """A tile of whole rows, at least 2048 elements (several narrow rows), 8 elements a thread: at 8 a
+    thread the compiled kernels (sm_90) stay near 64 registers without spilling, so a program of 32 warps
+    or two of 16 fit an SM, while each moves kilobytes per row tile."""
+    if width > max_row:
+        return Config(1, 4096, 16, chunked=True)
+    block_n = max(16, triton.next_power_of_2(width))
+    block_m = max(1, min(64, 2048 // block_n))
+    return Config(block_m, block_n, min(32, max(1, block_m * block_n // 256)))
+
+
+def forward_config(width: int) -> Config:
+    return _config(width, _MAX_FWD_ROW)
+
+
+def backward_config(width: int) -> Config:
+    return _config(width, _MAX_BWD_ROW)
+
+
+_DEVICE: dict = {}
+_RESIDENT: dict = {}
+
+
+def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_col: int = 1) -> int:
+    """Programs of a persistent launch: as many as stay resident on the device at once, from the compiled
+    kernel's registers and shared memory (more would run in a second, idle-tailed wave), at most one per
+    tile. On CPU (the interpreter) a few, so the row loops are exercised."""
+    if device.type != "cuda":
+        return max(1, min(n_tiles, 3))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE:
+        props = triton.runtime.driver.active.utils.get_device_properties(idx)
+        _DEVICE[idx] = (torch.cuda.get_device_properties(idx).multi_processor_count,
+                        props.get("max_num_regs", 65536), props.get("max_shared_mem", 232448))
+    n_sm, regs, smem = _DEVICE[idx]
+    key = (id(kernel), idx, tuple(sorted(meta.items())),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    if key not in _RESIDENT:
+        warps = meta["num_warps"]
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            compiled._init_handles()
+            per_thread = -(-max(compiled.n_regs, 1) // 8) * 8     # registers are allocated 8 at a time
+            per_sm = min(regs // (per_thread * 32 * warps), 64 // warps,
+                         smem // (compiled.metadata.shared + 1024))
+        except Exception:   # a Triton without warmup/n_regs: assume 64 registers a thread
+            per_sm = max(1, 32 // warps)
+        _RESIDENT[key] = max(1, per_sm)
+    return max(1, min(n_tiles, n_sm * _RESIDENT[key] // n_col))
+
+
+def _dropout_params(p: float) -> tuple[int, float]:
+    """Integer threshold on 31 random bits, and the 1/(1-p) rescale."""
+    return min(int(round(p * 2 ** 31)), 2 ** 31 - 1), 1.0 / (1.0 - p)
+
+
+def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None):
+    """x, residual: (M, N) with unit column stride. Returns y, h, mean (empty for RMSNorm), rstd."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = torch.empty((M, N), dtype=h_dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    mean = torch.empty(0 if is_rms else M, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, h, mean, rstd
+    cfg = cfg or forward_config(N)
+    thr, scale = _dropout_params(p)
+    args = [x, residual if residual is not None else x, weight, bias if bias is not None else weight, y, h,
+            rstd if is_rms else mean, rstd, M, N, x.stride(0), residual.stride(0) if residual is not None else 0,
+            eps, seed, thr, scale]
+    meta = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0,
+                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    if cfg.chunked:
+        _fwd_chunked_kernel[(M,)](*args, **meta)
+    else:
+        n_tiles = triton.cdiv(M, cfg.block_m)
+        args.append(n_tiles)
+        meta["BLOCK_M"] = cfg.block_m
+        _fwd_kernel[(resident_programs(_fwd_kernel, args, meta, n_tiles, x.device),)](*args, **meta)
+    return y, h, mean, rstd
+
+
+def _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype, res_dtype,
+              cfg: Optional[Config] = None):
+    """Returns dx, dresidual (empty when dx serves for it too, or there is no residual), and dweight, dbias
+    in fp32 (dbias empty without a bias)."""
+    M, N = h.shape
+    dev = h.device
+    dy = dy.contiguous()                      # the kernel walks rows of N contiguous elements
+    dh = dh.contiguous() if dh is not None else None
+    shared = res_dtype is not None and res_dtype == x_dtype and p == 0.0
+    dx = torch.empty((M, N), dtype=x_dtype, device=dev)
+    dr = torch.empty((M, N) if res_dtype is not None and not shared else (0,), dtype=res_dtype or x_dtype,
+                     device=dev)
+    if M == 0:
+        return dx, dr, weight.new_zeros(N, dtype=torch.float32), weight.new_zeros(N if has_bias else 0,
+                                                                                   dtype=torch.float32)
+    cfg = cfg or backward_config(N)
+    n_tiles = triton.cdiv(M, cfg.block_m)
+    n_col = triton.cdiv(N, cfg.block_n) if cfg.chunked else 1
+    c1 = c2 = rstd
+    if cfg.chunked:
+        c1 = torch.empty(M, dtype=torch.float32, device=dev)
+        c2 = torch.empty(M, dtype=torch.float32, device=dev)
+        _bwd_row_sums_kernel[(M,)](dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, N, IS_RMS=is_rms,
+                                   BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    thr, scale = _dropout_params(p)
+    # the partial-sum buffers are sized by the program count, so take it from a probe launch's arguments
+    probe = torch.empty((1, N), dtype=torch.float32, device=dev)
+    args = [dy, dh if dh is not None else dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, dx,
+            dr if dr.numel() else dx, probe, probe, M, N, n_tiles, seed, thr, scale]
+    meta = dict(HAS_DHIN=dh is not None, HAS_DR=dr.numel() > 0, HAS_BIAS=has_bias, IS_RMS=is_rms,
+                HAS_DROP=p > 0.0, SPLIT=cfg.chunked, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    programs = resident_programs(_bwd_kernel, args, meta, n_tiles, dev, n_col)
+    args[10] = dwp = torch.empty((programs, N), dtype=torch.float32, device=dev)
+    args[11] = dbp = torch.empty((programs, N), dtype=torch.float32, device=dev) if has_bias else dwp
+    _bwd_kernel[(programs, n_col)](*args, **meta)
+    return dx, dr, dwp.sum(0), dbp.sum(0) if has_bias else dwp.new_empty(0)
+
+
+# The kernels as custom ops: torch.compile sees them as opaque nodes with known output shapes, instead of
+# tracing (and breaking its graph on) the launchers.
+
+@torch.library.custom_op("tilewise::add_dropout_norm_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
+            is_rms: bool, eps: float, p: float, seed: int, h_dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype)
+
+
+@_fwd_op.register_fake
+def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
+    M = x.shape[0]
+    stat = x.new_empty((M,), dtype=torch.float32)
+    return (torch.empty_like(x), x.new_empty(x.shape, dtype=h_dtype),
+            x.new_empty((0,) if is_rms else (M,), dtype=torch.float32), stat)
+
+
+@torch.library.custom_op("tilewise::add_dropout_norm_bwd", mutates_args=())
+def _bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+            rstd: torch.Tensor, has_bias: bool, is_rms: bool, p: float, seed: int, x_dtype: torch.dtype,
+            has_res: bool, res_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype,
+                     res_dtype if has_res else None)
+
+
+@_bwd_op.register_fake
+def _(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype, has_res, res_dtype):
+    shared = has_res and res_dtype == x_dtype and p == 0.0
+    dr_shape = h.shape if has_res and not shared else (0,)
+    return (h.new_empty(h.shape, dtype=x_dtype), h.new_empty(dr_shape, dtype=res_dtype if has_res else x_dtype),
+            weight.new_empty(weight.shape, dtype=torch.float32),
+            weight.new_empty(weight.shape if has_bias else (0,), dtype=torch.float32))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride, a view when possible."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class AddDropoutNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
+        y, h, mean, rstd = torch.ops.tilewise.add_dropout_norm_fwd(
+            _rows(x), None if residual is None else _rows(residual), weight, bias, is_rms, eps, p, seed, h_dtype)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.set_materialize_grads(False)
+        ctx.meta = (is_rms, p, seed, x.dtype, residual is not None,
+                    residual.dtype if residual is not None else x.dtype, bias.dtype if bias is not None else None,
+                    x.shape)
+        return y.view(x.shape), h.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, mean, rstd = ctx.saved_tensors
+        is_rms, p, seed, x_dtype, has_res, res_dtype, bias_dtype, shape = ctx.meta
+        # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
+        dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
+        dx, dr, dw, db = torch.ops.tilewise.add_dropout_norm_bwd(
+            dy, None if dh is None else _rows(dh), h, weight, mean, rstd, bias_dtype is not None, is_rms, p, seed,
+            x_dtype, has_res, res_dtype)
+        dres = None
+        if has_res:
+            shared = res_dtype == x_dtype and p == 0.0      # then one tensor is both gradients
+            dres = (dx if shared else dr).view(shape)
+        db = db.to(bias_dtype) if bias_dtype is not None else None
+        return dx.view(shape), dres, dw.to(weight.dtype), db, None, None, None, None, None
+
+
+def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
+    """The kernels' dropout keep-mask (bool, (n_rows, width)) for a given seed: element (i, j) is kept
+    when add_dropout_norm's x is viewed as (n_rows, width) rows. For tests and A/B runs with the reference."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"keep_mask: p={p}; expected 0 <= p < 1")
+    out = torch.empty((n_rows, width), dtype=torch.int8, device=device)
+    if out.numel():
+        thr, _ = _dropout_params(p)
+        grid = (triton.cdiv(n_rows, 16), triton.cdiv(width, 256))
+        _keep_mask_kernel[grid](out, n_rows, width, int(seed), thr, BLOCK_M=16, BLOCK_N=256, num_warps=4)
+    return out.bool()
+
+
+# --------------------------------------------------------------------------------------------- public op
 
 def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
-    """Raise ValueError naming what is wrong with the arguments of add_dropout_norm."""
+    """Raise ValueError/TypeError naming what is wrong with the arguments of add_dropout_norm."""
+    for name, t in (("x", x), ("weight", weight), ("residual", residual), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"add_dropout_norm: {name} is a {type(t).__name__}; expected a torch.Tensor")
     if kind not in NORM_KINDS:
         raise ValueError(f"add_dropout_norm: kind={kind!r}; expected one of {NORM_KINDS}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    if x.dtype not in floats:
         raise ValueError(f"add_dropout_norm: x dtype {x.dtype} is not supported; use bf16, fp16 or fp32")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"add_dropout_norm: x shape {tuple(x.shape)}; expected (..., width) with width >= 1")
     width = x.shape[-1]
     if width > 65536:
         raise ValueError(f"add_dropout_norm: row width {width} is over the supported 65536")
@@ -29,6 +476,11 @@ def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
         raise ValueError(f"add_dropout_norm: weight shape {tuple(weight.shape)}; expected ({width},)")
     if bias is not None and bias.shape != (width,):
         raise ValueError(f"add_dropout_norm: bias shape {tuple(bias.shape)}; expected ({width},)")
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in floats:
+            raise ValueError(f"add_dropout_norm: {name} dtype {t.dtype}; expected a floating dtype")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"add_dropout_norm: {name} is on {t.device} but x is on {x.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"add_dropout_norm: dropout_p={dropout_p}; expected 0 <= p < 1")
     if residual_dtype is not None and residual_dtype not in (torch.float32, x.dtype):
@@ -39,12 +491,20 @@ def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e
                      training=True, seed=None, residual_dtype=None):
     """Returns (y, h): h = residual + dropout(x) (residual may be None), y = norm(h) * weight + bias.
 
-    h is kept in residual_dtype (default: residual's dtype, else x's), y in x's dtype.
+    h is kept in residual_dtype (default: residual's dtype, else x's), y in x's dtype. seed=None draws one
+    from torch's CPU generator (no device sync); the same seed gives the same mask.
     """
     check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype)
-    p = dropout_p if training else 0.0
-    if use_triton(x):
-        raise NotImplementedError("the Triton add+dropout+norm kernel has not landed yet; use ops.use('reference')")
+    p = float(dropout_p) if training else 0.0
+    if use_triton(x) and x.dtype != torch.float64:      # float64 stays on the reference
+        if residual_dtype is None:
+            residual_dtype = residual.dtype if residual is not None else x.dtype
+        if p == 0.0:
+            seed = 0
+        elif seed is None:
+            seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+        return AddDropoutNorm.apply(x, residual, weight, bias, kind == "rmsnorm", float(eps), p, int(seed),
+                                    residual_dtype)
     return add_dropout_norm_reference(x, residual, weight, bias, kind=kind, eps=eps, dropout_p=p, seed=seed,
                                       residual_dtype=residual_dtype)
 

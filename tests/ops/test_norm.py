@@ -1,0 +1,381 @@
+"""add_dropout_norm: the Triton kernels (the interpreter on CPU) against float64 references.
+
+Tolerances (shared/BENCH.md): fp32 below 1e-5 relative error norm; bf16/fp16 at most 2x the error of the
+PyTorch reference run in the same dtype, against the same float64 reference. Every torch.empty in the
+kernels' launchers is NaN-filled here, so an element a kernel leaves unwritten fails.
+
+Two refinements. fp32 gets max(1e-5, 2x PyTorch's fp32 error), which only matters for ill-conditioned
+rows (a mean far from zero). And for the interpreter only: Triton's interpreter (3.9) converts fp32 to bf16
+by truncation where the GPU rounds to nearest even, so there bf16 results may also reach 2x the error of
+truncating the float64 result itself (for values next to a bf16 number, truncation costs a whole ulp where
+rounding costs nothing). The gpu-marked tests hold bf16 to plain 2x.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from tilewise import ops
+from tilewise.ops import norm
+from tilewise.ops.norm import Config, add_dropout_norm, add_dropout_norm_reference, keep_mask
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def truncated_bf16(t):
+    """float64 -> bf16 by truncation of the fp32 bits, as the interpreter converts."""
+    bits = t.float().view(torch.int32) & -65536
+    return bits.view(torch.float32)
+
+
+def tolerance(got, same_dtype, ref):
+    """The allowed relative error of `got` given the PyTorch op's result in the same dtype."""
+    torch_err = rel_err(same_dtype, ref)
+    if got.dtype == torch.float32 and same_dtype.dtype == torch.float32:
+        return max(1e-5, 2 * torch_err)
+    tol = max(2 * torch_err, 1e-6)
+    if INTERPRETED and got.dtype == torch.bfloat16:
+        tol = max(tol, 2 * rel_err(truncated_bf16(ref), ref))
+    return tol
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """torch.empty / empty_like return NaN-filled (floats) or -1-filled (ints) tensors during the test."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-1)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+def rel_err(got, ref):
+    """Relative error norm in float64; absolute where the reference is (round-off away from) zero, as
+    dweight of a width-1 LayerNorm is. NaN stays NaN."""
+    got, ref = got.double(), ref.double()
+    den = ref.norm().item()
+    num = (got - ref).norm().item()
+    return num / den if den > 1e-8 else num
+
+
+def run(fn, inputs, grads):
+    """fn(*inputs) -> (y, h); backward with the given (dy, dh). Returns y, h and the inputs' grads."""
+    y, h = fn(*inputs)
+    torch.autograd.backward([y, h], [g for g in grads])
+    out = [y.detach(), h.detach()] + [t.grad for t in inputs if t is not None]
+    for t in inputs:
+        if t is not None:
+            t.grad = None
+    return out
+
+
+def leaf(t, dtype=None):
+    return None if t is None else t.detach().to(dtype or t.dtype).requires_grad_()
+
+
+def make(rows, width, dtype, *, residual=True, bias=True, res_dtype=None, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g).to(device, dtype)
+    r = torch.randn(rows, width, generator=g).to(device, res_dtype or dtype) if residual else None
+    w = (1 + 0.2 * torch.randn(width, generator=g)).to(device, dtype)
+    b = (0.2 * torch.randn(width, generator=g)).to(device, dtype) if bias else None
+    return x, r, w, b
+
+
+def check_against_float64(x, r, w, b, *, kind, residual_dtype=None, dropout_p=0.0, seed=None, mask=None,
+                          kernel=None):
+    """Runs the kernel and the reference (same dtypes, and float64) and compares outputs and gradients."""
+    h_dtype = residual_dtype or (r.dtype if r is not None else x.dtype)
+    y_shape = x.shape
+    g = torch.Generator().manual_seed(123)
+    dy = torch.randn(y_shape, generator=g).to(x.device, x.dtype)
+    dh = torch.randn(y_shape, generator=g).to(x.device, h_dtype)
+
+    def kernel_fn(x, r, w, b):
+        with ops.use("triton"):
+            return add_dropout_norm(x, r, w, b, kind=kind, residual_dtype=residual_dtype, dropout_p=dropout_p,
+                                    seed=seed)
+
+    def ref_fn(x, r, w, b):
+        return add_dropout_norm_reference(x, r, w, b, kind=kind, residual_dtype=residual_dtype,
+                                          dropout_p=dropout_p, keep_mask=mask)
+
+    inputs = [leaf(t) for t in (x, r, w, b)]
+    got = run(kernel or kernel_fn, inputs, (dy, dh))
+    names = ["y", "h", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"] + (["dbias"] if b is not None else [])
+    ref64 = run(ref_fn, [leaf(t, torch.float64) for t in (x, r, w, b)], (dy.double(), dh.double()))
+    same = run(ref_fn, inputs, (dy, dh))
+    assert got[0].dtype == x.dtype and got[1].dtype == h_dtype
+    for name, a, ref, t in zip(names, got, ref64, same):
+        assert a.shape == ref.shape, name
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err, tol = rel_err(a, ref), tolerance(a, t, ref)
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+    return got
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [1, 100, 1000, 5000])
+@pytest.mark.parametrize("residual,bias", [(True, True), (True, False), (False, True), (False, False)])
+def test_matches_float64(kind, dtype, width, residual, bias):
+    rows = 13 if width < 5000 else 5
+    x, r, w, b = make(rows, width, dtype, residual=residual, bias=bias, seed=width)
+    check_against_float64(x, r, w, b, kind=kind)
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_row_counts_and_leading_dims(kind, rows):
+    x, r, w, b = make(rows * 3, 96, torch.bfloat16)
+    check_against_float64(x.view(rows, 3, 96), r.view(rows, 3, 96), w, b, kind=kind)
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32], ids=str)
+def test_fp32_residual_stream_with_bf16_x(kind, stored):
+    """residual_dtype=fp32: h in fp32 while x and y are bf16; the residual may come in either dtype."""
+    x, r, w, b = make(11, 300, torch.bfloat16, res_dtype=stored)
+    got = check_against_float64(x, r, w, b, kind=kind, residual_dtype=torch.float32)
+    assert got[1].dtype == torch.float32 and got[0].dtype == torch.bfloat16
+    assert got[2].dtype == torch.bfloat16 and got[3].dtype == stored     # dx, dresidual
+
+
+def test_wide_rows_take_the_chunked_path():
+    """Width over the in-register limits: forward by chunks, backward with split columns."""
+    assert norm.forward_config(20000).chunked and norm.backward_config(20000).chunked
+    for kind in norm.NORM_KINDS:
+        x, r, w, b = make(3, 20000, torch.float32, seed=5)
+        check_against_float64(x, r, w, b, kind=kind)
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("width", [1, 130, 520])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_chunked_kernels_at_small_widths(kind, width, dropout_p):
+    """The chunked forward and split backward, forced with 64-wide chunks (a partial last chunk), against
+    the reference; Chan's merge of chunk statistics keeps a large mean from swamping the variance."""
+    x, r, w, b = make(6, width, torch.float32, seed=width)
+    x = x + 300.0                                    # a mean far from zero
+    cfg = Config(1, 64, 2, chunked=True)
+    seed = 77
+    mask = keep_mask(6, width, dropout_p, seed) if dropout_p else None
+
+    def kernel(x, r, w, b):
+        return _ChunkedForTest.apply(x, r, w, b, kind == "rmsnorm", dropout_p, seed, cfg)
+
+    check_against_float64(x, r, w, b, kind=kind, dropout_p=dropout_p, mask=mask, kernel=kernel)
+
+
+class _ChunkedForTest(torch.autograd.Function):
+    """The launchers with an explicit Config (the public op picks its own from the width)."""
+
+    @staticmethod
+    def forward(ctx, x, r, w, b, is_rms, p, seed, cfg):
+        y, h, mean, rstd = norm._forward(x, r, w, b, is_rms, 1e-5, p, seed, r.dtype, cfg)
+        ctx.save_for_backward(h, w, mean, rstd)
+        ctx.args = (is_rms, p, seed, x.dtype, r.dtype, cfg)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, w, mean, rstd = ctx.saved_tensors
+        is_rms, p, seed, x_dtype, r_dtype, cfg = ctx.args
+        dx, dr, dw, db = norm._backward(dy, dh, h, w, mean, rstd, True, is_rms, p, seed, x_dtype, r_dtype, cfg)
+        return dx, (dr if dr.numel() else dx), dw, db, None, None, None, None
+
+
+@pytest.mark.parametrize("cfg", [Config(1, 128, 4), Config(4, 128, 4), Config(8, 128, 2, num_stages=1)], ids=str)
+def test_tile_shapes_agree(cfg):
+    """Several rows a tile and a persistent loop over tiles give the reference's result."""
+    x, r, w, b = make(37, 100, torch.float32, seed=9)
+
+    def kernel(x, r, w, b):
+        return _ChunkedForTest.apply(x, r, w, b, False, 0.1, 4, cfg)
+
+    check_against_float64(x, r, w, b, kind="layernorm", dropout_p=0.1, mask=keep_mask(37, 100, 0.1, 4),
+                          kernel=kernel)
+
+
+def test_gradient_arriving_as_strided_view():
+    """dy and dh that are slices of a larger gradient (row stride 2N) are read correctly."""
+    x, r, w, b = make(9, 64, torch.float32)
+    leaves = [leaf(t) for t in (x, r, w, b)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(*leaves, kind="rmsnorm")
+    (torch.cat([y, h], dim=-1) * torch.arange(128.0)).sum().backward()
+    got = [t.grad for t in leaves]
+    ref_leaves = [leaf(t, torch.float64) for t in (x, r, w, b)]
+    y, h = add_dropout_norm_reference(*ref_leaves, kind="rmsnorm")
+    (torch.cat([y, h], dim=-1) * torch.arange(128.0, dtype=torch.float64)).sum().backward()
+    for a, t in zip(got, ref_leaves):
+        assert rel_err(a, t.grad) < 1e-5
+
+
+def test_only_h_used_and_no_rows():
+    """y unused (its gradient None): dx = dh; zero rows: empty outputs and zero weight gradients."""
+    x, r, w, b = make(5, 40, torch.float32)
+    leaves = [leaf(t) for t in (x, r, w, b)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(*leaves)
+    h.sum().backward()
+    assert torch.equal(leaves[0].grad, torch.ones_like(x)) and torch.equal(leaves[1].grad, torch.ones_like(x))
+    assert torch.equal(leaves[2].grad, torch.zeros_like(w))
+    x, r, w, b = [leaf(t) for t in make(0, 40, torch.float32)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(x, r, w, b)
+    (y.sum() + h.sum()).backward()
+    assert y.shape == (0, 40) and torch.equal(w.grad, torch.zeros(40)) and torch.equal(b.grad, torch.zeros(40))
+
+
+# ------------------------------------------------------------------------------------------------- dropout
+
+def test_dropout_backward_uses_the_forward_mask():
+    """Forward and backward match the float64 reference run with the mask keep_mask() reports."""
+    for kind, dtype in (("layernorm", torch.float32), ("rmsnorm", torch.bfloat16)):
+        x, r, w, b = make(21, 333, dtype, seed=3)
+        check_against_float64(x, r, w, b, kind=kind, dropout_p=0.3, seed=1234,
+                              mask=keep_mask(21, 333, 0.3, 1234))
+
+
+def test_keep_mask_is_what_the_kernel_applies():
+    """x = ones, no residual: h = keep / (1 - p) exactly where keep_mask says, 0 elsewhere."""
+    p, rows, width = 0.4, 33, 517
+    x = torch.ones(rows, width)
+    w = torch.ones(width)
+    with ops.use("triton"):
+        _, h = add_dropout_norm(x, None, w, dropout_p=p, seed=99)
+    keep = keep_mask(rows, width, p, 99)
+    assert torch.equal(h != 0, keep)
+    assert torch.allclose(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
+
+
+def test_same_seed_same_mask_other_seed_other_mask():
+    x, r, w, b = make(16, 256, torch.float32)
+    with ops.use("triton"):
+        h1 = add_dropout_norm(x, r, w, b, dropout_p=0.5, seed=7)[1]
+        h2 = add_dropout_norm(x, r, w, b, dropout_p=0.5, seed=7)[1]
+        h3 = add_dropout_norm(x, r, w, b, dropout_p=0.5, seed=8)[1]
+        h4 = add_dropout_norm(x, r, w, b, dropout_p=0.5)[1]          # seed drawn on the host
+        h5 = add_dropout_norm(x, r, w, b, dropout_p=0.5)[1]
+        h_eval = add_dropout_norm(x, r, w, b, dropout_p=0.5, training=False)[1]
+    assert torch.equal(h1, h2)
+    k1, k3 = keep_mask(16, 256, 0.5, 7), keep_mask(16, 256, 0.5, 8)
+    differ = (k1 != k3).float().mean().item()                      # about 2 p (1 - p) = 0.5
+    assert 0.4 < differ < 0.6
+    assert not torch.equal(h1, h3) and not torch.equal(h4, h5)
+    assert torch.equal(h_eval, x + r)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kept_fraction_and_independence(p):
+    """Kept fraction 1 - p within 5 sigma, overall, for each of the 4 columns sharing a Philox call, for
+    neighbouring columns jointly, and across rows: the interleaving of the four words must not repeat."""
+    rows, width = 64, 1000
+    keep = keep_mask(rows, width, p, seed=2024).double()
+    n = keep.numel()
+
+    def within(frac, q, count):
+        sigma = math.sqrt(q * (1 - q) / count)
+        return abs(frac - q) < 5 * sigma
+
+    assert within(keep.mean().item(), 1 - p, n)
+    for lane in range(4):
+        lane_keep = keep[:, lane::4]
+        assert within(lane_keep.mean().item(), 1 - p, lane_keep.numel())
+    pairs = keep[:, :-1] * keep[:, 1:]
+    assert within(pairs.mean().item(), (1 - p) ** 2, pairs.numel())
+    rows_pair = keep[:-1] * keep[1:]
+    assert within(rows_pair.mean().item(), (1 - p) ** 2, rows_pair.numel())
+
+
+# ---------------------------------------------------------------------------------------- bad inputs
+
+def test_bad_inputs_raise():
+    x, r, w, b = make(4, 32, torch.float32)
+    cases = [
+        (dict(kind="batchnorm"), ValueError, "kind"),
+        (dict(dropout_p=1.0), ValueError, "dropout_p"),
+        (dict(dropout_p=-0.1), ValueError, "dropout_p"),
+        (dict(residual_dtype=torch.float16), ValueError, "residual_dtype"),
+    ]
+    for kwargs, exc, word in cases:
+        with pytest.raises(exc, match=word), ops.use("triton"):
+            add_dropout_norm(x, r, w, b, **kwargs)
+    bad_args = [
+        ((x.long(), None, w), ValueError, "dtype"),
+        ((x, r[:, :16], w), ValueError, "residual shape"),
+        ((x, r, w[:16]), ValueError, "weight shape"),
+        ((x, r, w, b[:3]), ValueError, "bias shape"),
+        ((x.numpy(), r, w), TypeError, "torch.Tensor"),
+        ((x, r, w.to("meta")), ValueError, "meta"),
+        ((torch.empty(2, 65537), None, torch.empty(65537)), ValueError, "65536"),
+        ((torch.empty(2, 0), None, torch.empty(0)), ValueError, "width"),
+        ((x, r.int(), w), ValueError, "residual dtype"),
+    ]
+    for args, exc, word in bad_args:
+        with pytest.raises(exc, match=word), ops.use("triton"):
+            add_dropout_norm(*args)
+    with pytest.raises(ValueError, match="p="):
+        keep_mask(2, 2, 1.5, 0)
+
+
+# ----------------------------------------------------------------------------- custom op registration
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) implementations and autograd registration, as torch.compile relies on them."""
+    x, r, w, b = make(5, 40, torch.float32)
+    fwd_args = (x, r, w, b, False, 1e-5, 0.1, 3, torch.float32)
+    torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_fwd.default, fwd_args)
+    y, h, mean, rstd = torch.ops.tilewise.add_dropout_norm_fwd(*fwd_args)
+    torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
+                          (torch.randn_like(y), torch.randn_like(h), h, w, mean, rstd, True, False, 0.1, 3,
+                           torch.float32, True, torch.float32))
+
+
+def test_torch_compile_keeps_one_graph():
+    x, r, w, b = make(6, 48, torch.float32)
+
+    def f(x, r, w, b):
+        y, h = add_dropout_norm(x, r, w, b, kind="rmsnorm", dropout_p=0.2, seed=11)
+        return (y * y).sum() + h.sum()
+
+    eager_leaves = [leaf(t) for t in (x, r, w, b)]
+    compiled_leaves = [leaf(t) for t in (x, r, w, b)]
+    with ops.use("triton"):
+        f(*eager_leaves).backward()
+        torch.compile(f, backend="aot_eager", fullgraph=True)(*compiled_leaves).backward()
+    for a, c in zip(eager_leaves, compiled_leaves):
+        assert torch.equal(a.grad, c.grad)
+
+
+# ------------------------------------------------------------------------------------ real sizes (H200)
+
+BENCH_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BENCH_SHAPES + [(64, 65536), (512, 20000)], ids=str)
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+def test_gpu_benchmark_sizes(shape, kind, device):
+    x, r, w, b = make(*shape, torch.bfloat16, device=device, seed=shape[1])
+    w, b = w.float(), b.float()       # fp32 parameters with bf16 activations, as in mixed-precision training
+    check_against_float64(x, r, w, b, kind=kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+def test_gpu_dropout_and_fp32_residual(kind, device):
+    x, r, w, b = make(4096, 4096, torch.bfloat16, res_dtype=torch.float32, device=device)
+    mask = keep_mask(4096, 4096, 0.1, 31337, device=device)
+    check_against_float64(x, r, w, b, kind=kind, residual_dtype=torch.float32, dropout_p=0.1, seed=31337,
+                          mask=mask)
+    assert abs(mask.float().mean().item() - 0.9) < 5 * math.sqrt(0.09 / mask.numel())
