@@ -143,6 +143,22 @@ def test_current_scaling_falls_back_on_bad_amax(bad, device):
     assert torch.equal(scales, torch.tensor([5.0, 0.2], device=device))
 
 
+@pytest.mark.parametrize("current", [False, True])
+def test_fused_column_sums(current, device):
+    """col_sums gets x.sum(0) in fp32 from the cast's own read (the bias gradient of dy)."""
+    M, N = 100, 40  # 100 rows: four row blocks of the interpreter's 32, the last one partial
+    x = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    sums = torch.full((N,), float("nan"), device=device)
+    one = torch.ones(1, device=device)
+    with ops.use("triton"):
+        if current:
+            fp8_cast_current(x, torch.float8_e5m2, one, transpose=True, col_sums=sums)
+        else:
+            fp8_cast(x, torch.float8_e5m2, one, transpose=True, col_sums=sums)
+    want = x.double().sum(0)
+    assert ((sums.double() - want).norm() / want.norm()).item() < 1e-6
+
+
 def test_rowwise_false_writes_only_transpose(device):
     x = torch.randn(48, 16, device=device)
     with ops.use("triton"):
@@ -168,6 +184,8 @@ def test_bad_arguments_raise():
         fp8_cast(x, torch.float8_e4m3fn, one, rowwise=False)
     with pytest.raises(ValueError, match="out_t"):
         fp8_cast(x, torch.float8_e4m3fn, one, transpose=True, out_t=torch.empty(8, 16, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="col_sums"):
+        fp8_cast(x, torch.float8_e4m3fn, one, col_sums=torch.empty(8))
     with pytest.raises(ValueError, match="margin"):
         fp8_cast_current(x, torch.float8_e4m3fn, one, margin=-1)
 
@@ -187,6 +205,10 @@ def test_gpu_kernel_matches_reference(fp8_dtype, shape):
     assert torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))
     assert math.isnan(amax.item())
     x[17, 5] = 1.0
+    sums = torch.full((N,), float("nan"), device="cuda")
+    fp8_cast(x, fp8_dtype, scale, col_sums=sums)
+    want = x.double().sum(0)
+    assert ((sums.double() - want).norm() / want.norm()).item() < 1e-6
     y, yt, s = fp8_cast_current(x, fp8_dtype, scale, margin=1, transpose=True)
     yr, ytr, sr = fp8_cast_current_reference(x, fp8_dtype, scale, margin=1, transpose=True)
     assert torch.equal(s, sr) and torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))

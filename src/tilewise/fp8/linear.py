@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.fp8_cast import fp8_cast, fp8_cast_current
+from ..ops.fp8_cast import cast_current, cast_delayed
 from .recipe import Fp8Recipe, as_recipe
 from .state import Fp8State
 
@@ -31,16 +31,16 @@ def fp8_compatible(linear: nn.Linear) -> bool:
             and linear.weight.dtype in _DTYPES)
 
 
-def _cast(state: Fp8State, slot: int, x2: torch.Tensor, rowwise: bool, transpose: bool):
+def _cast(state: Fp8State, slot: int, x2: torch.Tensor, rowwise: bool, transpose: bool, col_sums=None):
     """Cast a 2-D tensor into slot's format; returns (copy, transposed copy, inverse scale (1,))."""
     dtype = state.dtypes[slot]
-    amax = state.amax_history[0, slot:slot + 1]
+    scale, scale_inv, amax = state.views(slot)
     if state.recipe.scaling == "current" or not state.warm:
-        y, yt, scales = fp8_cast_current(x2, dtype, state.scale[slot:slot + 1], margin=state.recipe.margin,
-                                         amax=amax, rowwise=rowwise, transpose=transpose)
+        y, yt, scales = cast_current(x2, dtype, scale, state.recipe.margin, amax, rowwise, transpose,
+                                     col_sums=col_sums)
         return y, yt, scales[1:2]
-    y, yt = fp8_cast(x2, dtype, state.scale[slot:slot + 1], amax=amax, rowwise=rowwise, transpose=transpose)
-    return y, yt, state.scale_inv[slot:slot + 1]
+    y, yt = cast_delayed(x2, dtype, scale, amax, rowwise, transpose, col_sums=col_sums)
+    return y, yt, scale_inv
 
 
 def _scaled_gemm(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
@@ -88,14 +88,19 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.pad:
             dy2 = F.pad(dy2, (0, 0, 0, ctx.pad))
         dx = dw = db = None
+        want_db = need_db and ctx.has_bias
         if need_dx or need_dw:
-            dy8, dy8t, dy_inv = _cast(state, slot + 2, dy2, rowwise=need_dx, transpose=need_dw)
+            # the bias gradient comes from the same read of dy (pad rows are zero)
+            sums = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device) if want_db else None
+            dy8, dy8t, dy_inv = _cast(state, slot + 2, dy2, rowwise=need_dx, transpose=need_dw, col_sums=sums)
             if need_dx:
                 dx = _scaled_gemm(dy8, w8t.t(), dy_inv, w_inv, ctx.x_dtype)
                 dx = (dx[:ctx.M] if ctx.pad else dx).reshape(ctx.x_shape)
             if need_dw:
                 dw = _scaled_gemm(dy8t, x8t.t(), dy_inv, x_inv, ctx.w_dtype)
-        if need_db and ctx.has_bias:
+            if want_db:
+                db = sums.to(layer.bias.dtype)
+        elif want_db:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
         return dx, dw, db, None, None
 

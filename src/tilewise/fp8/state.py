@@ -48,6 +48,7 @@ class Fp8State:
         # the per-step FP8 weight caches.
         self.warm = False
         self.generation = 0
+        self._views = {}
 
     @classmethod
     def for_linears(cls, recipe, names: Sequence[str], device=None, group=None) -> "Fp8State":
@@ -73,8 +74,17 @@ class Fp8State:
         if device != self.device:
             for name in _PERSISTENT + ("fp8_max",):
                 setattr(self, name, getattr(self, name).to(device))
+            self._views.clear()
             self.generation += 1
         return self
+
+    def views(self, slot: int):
+        """(scale, scale_inv, amax of the step in progress) of one slot: one-element views, made once."""
+        v = self._views.get(slot)
+        if v is None:
+            v = self._views[slot] = (self.scale[slot:slot + 1], self.scale_inv[slot:slot + 1],
+                                     self.amax_history[0, slot:slot + 1])
+        return v
 
     # -- the per-step update --------------------------------------------------------------------------
     @torch.no_grad()

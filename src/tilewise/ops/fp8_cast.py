@@ -5,6 +5,8 @@ tile grid reads x once and writes y (row-major), y^T (the operand layout the wei
 or both, and folds max|x| into a float32 amax with an int32 atomic max on its bits: for non-negative
 floats, and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach
 the scale update, which then skips them.
+Optionally the same pass sums x's columns (the bias gradient when x is dy), per tile into a small
+partials buffer that one torch.sum reduces: deterministic, no float atomics.
 Bytes, delayed scaling: read 2 (bf16) or 4 (fp32) per element, write 1 per copy. Current scaling needs
 this step's amax before it can scale, so it first runs an amax pass (a second read of x); the cast
 kernel then derives scale = fp8_max / amax / 2^margin on the device, falling back to the given scale
@@ -12,6 +14,7 @@ when amax is 0, inf or NaN. Nothing here synchronizes with the host.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -66,10 +69,10 @@ def _round_to_fp8_grid(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
 
 @triton.jit
 def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
-                     scale_ptr, amax_in_ptr, scale_out_ptr, amax_acc_ptr,
+                     scale_ptr, amax_in_ptr, scale_out_ptr, amax_acc_ptr, colsum_ptr,
                      fp8_max, inv_margin,
                      CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
-                     ACC_AMAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                     ACC_AMAX: tl.constexpr, COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr,
                      EMIN: tl.constexpr, MBITS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -112,15 +115,18 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
         tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    if COL_SUMS:  # this tile's column sums in row pid_m of a partials buffer (the bias gradient, fused)
+        tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
 
 
 _CAST_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
     for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4))
 ]
+_MIN_BLOCK_M = 32  # of the configs and of the interpreter's tile: sizes the column-sum partials
 # Autotuning reruns the kernel: harmless, every side effect (stores, atomic max) is idempotent.
 _fp8_cast_kernel_tuned = triton.autotune(
-    _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX"])(_fp8_cast_kernel)
+    _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"])(_fp8_cast_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,34 +136,45 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch_amax(x, amax_i32):
     numel = x.numel()
     if x.is_cuda and not _interpreting():
         block, warps = 4096, 8
-        progs = min(triton.cdiv(numel, block), 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        progs = min(triton.cdiv(numel, block), 4 * _num_sms(x.device.index or 0))
     else:
         block, warps = 1024, 4
         progs = min(triton.cdiv(numel, block), 4)
     _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=block, num_warps=warps)
 
 
-def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, fp8_dtype, margin, current):
+def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current):
     M, N = x.shape
     emin, mbits = _FP8_GRID[fp8_dtype]
     dummy = yt if yt is not None else y
+    # Partials for every row block of the smallest tile; rows a larger tile leaves unwritten stay zero.
+    partials = torch.zeros(triton.cdiv(M, _MIN_BLOCK_M), N, dtype=torch.float32, device=x.device) \
+        if col_sums is not None else None
     args = (x, y if y is not None else dummy, yt if yt is not None else dummy, M, N,
             scale, amax_in if amax_in is not None else scale,
             scale_out if scale_out is not None else scale,
             amax_acc if amax_acc is not None else scale.view(torch.int32),
+            partials if partials is not None else scale,
             FP8_MAX[fp8_dtype], 2.0 ** -margin)
-    flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None,
-                 ACC_AMAX=amax_acc is not None, EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits)
+    flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_acc is not None,
+                 COL_SUMS=partials is not None, EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits)
     if x.is_cuda and not _interpreting():
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
         _fp8_cast_kernel_tuned[grid](*args, **flags)
     else:
         bm = bn = 32
         _fp8_cast_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, **flags, BLOCK_M=bm, BLOCK_N=bn)
+    if partials is not None:
+        torch.sum(partials, dim=0, out=col_sums)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,7 +190,7 @@ def _check_scalar(name, t, device, what="fp8_cast"):
         raise ValueError(f"{what}: {name} must be contiguous")
 
 
-def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, what):
+def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums, what):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x is a {type(x).__name__}; expected a torch.Tensor")
     if fp8_dtype not in FP8_MAX:
@@ -198,6 +215,10 @@ def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, 
         if o.shape != shape or o.dtype != fp8_dtype or not o.is_contiguous() or o.device != x.device:
             raise ValueError(f"{what}: {name} is {o.dtype} {tuple(o.shape)} on {o.device}; "
                              f"expected a contiguous {fp8_dtype} {shape} on {x.device}")
+    if col_sums is not None and (col_sums.shape != (N,) or col_sums.dtype != torch.float32
+                                 or col_sums.device != x.device or not col_sums.is_contiguous()):
+        raise ValueError(f"{what}: col_sums is {col_sums.dtype} {tuple(col_sums.shape)} on {col_sums.device}; "
+                         f"expected a contiguous float32 ({N},) on {x.device}")
 
 
 def _alloc(x, fp8_dtype, rowwise, transpose, out, out_t):
@@ -207,44 +228,57 @@ def _alloc(x, fp8_dtype, rowwise, transpose, out, out_t):
     return y, yt
 
 
-def fp8_cast(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None):
+def fp8_cast(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None,
+             col_sums=None):
     """Delayed scaling: returns (y, y_t), y = saturate(x * scale) in fp8_dtype (None unless rowwise),
     y_t its (cols, rows) transpose (None unless transpose).
 
     scale: float32 one-element tensor on x's device (the quantization scale; dequantize with 1/scale).
     amax: optional float32 one-element tensor holding a non-negative value; max|x| is folded into it
-    (NaN and inf propagate). out/out_t: optional preallocated contiguous outputs.
+    (NaN and inf propagate). out/out_t: optional preallocated contiguous outputs. col_sums: optional
+    float32 (cols,) tensor that receives x.sum(0) in fp32 (a bias gradient, from the same read of x).
     """
-    _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, "fp8_cast")
-    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
-    if x.numel() == 0:
-        return y, yt
-    if use_triton(x):
-        _launch_cast(x.contiguous(), y, yt, scale, None, None,
-                     amax.view(torch.int32) if amax is not None else None, fp8_dtype, 0, current=False)
-        return y, yt
-    return fp8_cast_reference(x, fp8_dtype, scale, amax=amax, rowwise=rowwise, transpose=transpose, out=y, out_t=yt)
+    _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums, "fp8_cast")
+    return cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums)
 
 
 def fp8_cast_current(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwise=True, transpose=False,
-                     out=None, out_t=None):
+                     out=None, out_t=None, col_sums=None):
     """Current scaling: scale = fp8_max / max|x| / 2^margin from this tensor; where that amax is 0, inf or
     NaN (or the scale overflows), fallback_scale is used instead. Returns (y, y_t, scales), scales a float32
-    (2,) tensor [scale, 1/scale] on the device. amax, if given, gets max|x| folded in as in fp8_cast.
+    (2,) tensor [scale, 1/scale] on the device. amax, out, out_t, col_sums: as in fp8_cast.
     """
-    _check_cast_args(x, fp8_dtype, fallback_scale, amax, rowwise, transpose, out, out_t, "fp8_cast_current")
+    _check_cast_args(x, fp8_dtype, fallback_scale, amax, rowwise, transpose, out, out_t, col_sums,
+                     "fp8_cast_current")
     if not isinstance(margin, int) or margin < 0:
         raise ValueError(f"fp8_cast_current: margin={margin!r}; expected a non-negative int")
+    return cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose, out, out_t, col_sums)
+
+
+# Unchecked entry points for callers whose arguments are well-formed by construction (Fp8Linear calls these
+# on every step; the checks above cost more host time than the launch).
+def cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out=None, out_t=None, col_sums=None):
+    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
+    if use_triton(x) and x.numel() > 0:
+        _launch_cast(x.contiguous(), y, yt, scale, None, None, amax.view(torch.int32) if amax is not None else None,
+                     col_sums, fp8_dtype, 0, current=False)
+        return y, yt
+    return fp8_cast_reference(x, fp8_dtype, scale, amax=amax, rowwise=rowwise, transpose=transpose, out=y, out_t=yt,
+                              col_sums=col_sums)
+
+
+def cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose, out=None, out_t=None,
+                 col_sums=None):
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
     if use_triton(x) and x.numel() > 0:
         x = x.contiguous()
         scratch = torch.zeros(3, dtype=torch.float32, device=x.device)  # [amax bits, scale, 1/scale]
         _launch_amax(x, scratch[:1].view(torch.int32))
         _launch_cast(x, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[1:],
-                     amax.view(torch.int32) if amax is not None else None, fp8_dtype, margin, current=True)
+                     amax.view(torch.int32) if amax is not None else None, col_sums, fp8_dtype, margin, current=True)
         return y, yt, scratch[1:]
     return fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin, amax=amax, rowwise=rowwise,
-                                      transpose=transpose, out=y, out_t=yt)
+                                      transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -258,7 +292,8 @@ def current_scale_reference(amax, fp8_max, margin, fallback):
     return torch.where(ok, fresh, fallback)
 
 
-def fp8_cast_reference(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None):
+def fp8_cast_reference(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None,
+                       col_sums=None):
     """Plain PyTorch: the same casts, the amax folded with torch.maximum (NaN propagates)."""
     fmax = FP8_MAX[fp8_dtype]
     xf = x.float()
@@ -270,14 +305,16 @@ def fp8_cast_reference(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpos
         yt = q.t().contiguous() if out_t is None else out_t.copy_(q.t())
     if amax is not None and x.numel() > 0:
         amax.copy_(torch.maximum(amax, xf.abs().amax().reshape(amax.shape)))
+    if col_sums is not None:
+        torch.sum(xf, dim=0, out=col_sums)
     return y, yt
 
 
 def fp8_cast_current_reference(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwise=True,
-                               transpose=False, out=None, out_t=None):
+                               transpose=False, out=None, out_t=None, col_sums=None):
     xf = x.float()
     cur = xf.abs().amax() if x.numel() > 0 else torch.zeros((), device=x.device)
     scale = current_scale_reference(cur, FP8_MAX[fp8_dtype], margin, fallback_scale.reshape(()))
     y, yt = fp8_cast_reference(x, fp8_dtype, scale.reshape(1), amax=amax, rowwise=rowwise, transpose=transpose,
-                               out=out, out_t=out_t)
+                               out=out, out_t=out_t, col_sums=col_sums)
     return y, yt, torch.stack([scale, scale.reciprocal()])
