@@ -133,6 +133,14 @@ def _copy(read) -> None:
         local[dst_slice].copy_(src)
 
 
+def check_targets(targets) -> None:
+    if not isinstance(targets, dict):
+        raise TypeError(f"load_into: targets must be a dict of name -> tensor, got {type(targets).__name__}")
+    for name, t in targets.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"load_into: targets[{name!r}] is a {type(t).__name__}; expected a tensor or DTensor")
+
+
 def load_into(ckpt_dir: str, targets: dict, *, rank: int = 0, strict: bool = True, verify: bool = True,
               threads: int = 8) -> dict:
     """Fill targets {name: tensor or DTensor} in place from the checkpoint directory; returns its state.
@@ -144,11 +152,7 @@ def load_into(ckpt_dir: str, targets: dict, *, rank: int = 0, strict: bool = Tru
     Raises CheckpointError (before touching any target) on a missing or unexpected name, a dtype or shape
     mismatch, a missing, truncated or corrupt file.
     """
-    if not isinstance(targets, dict):
-        raise TypeError(f"load_into: targets must be a dict of name -> tensor, got {type(targets).__name__}")
-    for name, t in targets.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"load_into: targets[{name!r}] is a {type(t).__name__}; expected a tensor or DTensor")
+    check_targets(targets)
     m = read_manifest(ckpt_dir)
     saved = m["tensors"]
     missing = sorted(set(targets) - set(saved))

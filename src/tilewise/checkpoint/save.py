@@ -442,7 +442,8 @@ class Checkpointer:
     def load_into(self, targets: dict, path=None, *, strict: bool = True, verify: bool = True) -> dict:
         """Fill targets (plain tensors: whole; DTensors: this rank's shard) in place; returns the state.
         Each rank reads only the byte ranges it needs. See tilewise.checkpoint.load.load_into."""
-        from .load import load_into
+        from .load import check_targets, load_into
+        check_targets(targets)
         return load_into(self._path(path), targets, rank=self.rank_world()[0], strict=strict, verify=verify,
                          threads=max(self.io_threads, 8))
 
