@@ -132,8 +132,8 @@ def test_recipe_validation():
 def _reduce_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        s = make_state(history_len=2)
-        per_rank = [[1.0, 8.0, 0.5], [4.0, float("nan"), 0.25]]
+        s = make_state(history_len=2, dtypes=(E4M3, E4M3, E4M3, E5M2))
+        per_rank = [[1.0, 8.0, float("inf"), 0.5], [4.0, float("nan"), 2.0, 0.25]]
         record(s, per_rank[rank])
         s.step()
         torch.save(s.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
@@ -146,7 +146,8 @@ def test_amax_reduction_across_ranks_is_max_and_skips_nan(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k  # every rank ends with the same scales
-    assert r0["amax_history"][1].tolist() == [4.0, 0.0, 0.5]  # MAX; the NaN rank poisons slot 1 everywhere
-    assert r0["skipped"].tolist() == [0, 1, 0]
-    assert r0["scale"].tolist() == [448.0 / 4.0, 1.0, 57344.0 / 0.5]
+    # MAX; a NaN or inf on one rank reaches every rank, which all skip that slot
+    assert r0["amax_history"][1].tolist() == [4.0, 0.0, 0.0, 0.5]
+    assert r0["skipped"].tolist() == [0, 1, 1, 0]
+    assert r0["scale"].tolist() == [448.0 / 4.0, 1.0, 1.0, 57344.0 / 0.5]
     assert not any(math.isnan(v) for v in r0["scale"].tolist())

@@ -96,7 +96,7 @@ class Fp8State:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return
         cur = self.amax_history[0]
-        torch.nan_to_num_(cur, nan=float("inf"))
+        torch.nan_to_num_(cur, nan=float("inf"), posinf=float("inf"))  # posinf: inf must stay inf
         dist.all_reduce(cur, op=dist.ReduceOp.MAX, group=group)
 
     @torch.no_grad()

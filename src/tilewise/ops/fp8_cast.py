@@ -154,6 +154,8 @@ def _launch_amax(x, amax_i32):
 
 def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current):
     M, N = x.shape
+    if M * N >= 2 ** 31:  # the kernels index in int32
+        raise ValueError(f"fp8 cast: x is {M} x {N}; at most 2^31 - 1 elements are supported")
     emin, mbits = _FP8_GRID[fp8_dtype]
     dummy = yt if yt is not None else y
     # Partials for every row block of the smallest tile; rows a larger tile leaves unwritten stay zero.
