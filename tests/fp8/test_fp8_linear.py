@@ -141,6 +141,20 @@ def test_weight_cast_once_per_optimizer_step(monkeypatch):
     assert casts.count(1) == 4
 
 
+def test_no_grad_makes_no_transposed_copies(monkeypatch):
+    _, f = make(32, 16, False, "delayed")
+    asked = []
+    real = fp8_linear._cast
+    monkeypatch.setattr(fp8_linear, "_cast", lambda state, slot, x2, rowwise, transpose, **k:
+                        (asked.append(transpose), real(state, slot, x2, rowwise, transpose, **k))[1])
+    x = torch.randn(16, 32, requires_grad=True)
+    with torch.no_grad():
+        f(x)
+    assert asked == [False, False]  # weight and input: row-major copies only
+    f(x).sum().backward()
+    assert asked[2:] == [True, True, True]  # weight recast with its transpose, input, output gradient
+
+
 def test_micro_batch_gradients_accumulate():
     lin, f = make(32, 16, True, "current")
     g = torch.Generator().manual_seed(3)

@@ -58,7 +58,7 @@ def _scaled_gemm(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, out_dtype):
+    def forward(ctx, x, weight, bias, layer, out_dtype, grad_enabled):
         state, slot = layer.fp8_state, layer.fp8_slot
         K, N = weight.shape[1], weight.shape[0]
         lead = x.shape[:-1]
@@ -67,7 +67,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         pad = -M % 16  # the weight-gradient GEMM contracts over tokens: _scaled_mm wants a multiple of 16
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad ignores no_grad mode: without grad the transposed copies are not made
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
         w8, w8t, w_inv = layer._weight_fp8(need_t=need_dx)
         x8, x8t, x_inv = _cast(state, slot, x2, rowwise=True, transpose=need_dw)
         y = _scaled_gemm(x8, w8.t(), x_inv, w_inv, out_dtype, bias=bias, fast_accum=True)
@@ -102,7 +104,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 db = sums.to(layer.bias.dtype)
         elif want_db:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -170,7 +172,7 @@ class Fp8Linear(nn.Linear):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         with torch.autocast(dev, enabled=False):
-            return _Fp8LinearFn.apply(x, self.weight, self.bias, self, out_dtype)
+            return _Fp8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", recipe={self.fp8_state.recipe.scaling}/{self.fp8_state.recipe.formats}"
