@@ -110,7 +110,8 @@ def check_against_float64(x, r, w, b, *, kind, residual_dtype=None, dropout_p=0.
 
     inputs = [leaf(t) for t in (x, r, w, b)]
     got = run(kernel or kernel_fn, inputs, (dy, dh))
-    names = ["y", "h", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"] + (["dbias"] if b is not None else [])
+    names = ["y", "h", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"]
+    names += ["dbias"] if b is not None else []
     ref64 = run(ref_fn, [leaf(t, torch.float64) for t in (x, r, w, b)], (dy.double(), dh.double()))
     same = run(ref_fn, inputs, (dy, dh))
     assert got[0].dtype == x.dtype and got[1].dtype == h_dtype

@@ -484,7 +484,8 @@ def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"add_dropout_norm: dropout_p={dropout_p}; expected 0 <= p < 1")
     if residual_dtype is not None and residual_dtype not in (torch.float32, x.dtype):
-        raise ValueError(f"add_dropout_norm: residual_dtype={residual_dtype}; expected None, torch.float32 or x's dtype")
+        raise ValueError(f"add_dropout_norm: residual_dtype={residual_dtype}; expected None, torch.float32 "
+                         f"or x's dtype")
 
 
 def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e-5, dropout_p=0.0,

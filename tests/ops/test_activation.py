@@ -1,0 +1,147 @@
+"""bias_gelu and swiglu: the Triton kernels (the interpreter on CPU) against float64 references.
+
+Tolerances as in test_norm.py, whose helpers this file imports (pytest puts this folder on sys.path):
+fp32 below 1e-5 relative error norm, bf16/fp16 at most 2x the PyTorch op's error in the same dtype; the
+launchers' torch.empty is NaN-filled.
+"""
+import pytest
+import torch
+
+from tilewise import ops
+from tilewise.ops import activation
+from tilewise.ops.activation import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference
+
+from test_norm import DTYPES, nan_empty, rel_err, tolerance  # noqa: F401  (nan_empty: autouse fixture)
+
+
+def compare(kernel, reference, inputs, dy_shape, dy_dtype):
+    """Outputs and input gradients of kernel vs reference, in the inputs' dtypes and in float64."""
+    g = torch.Generator().manual_seed(5)
+    dy = torch.randn(dy_shape, generator=g).to(inputs[0].device, dy_dtype)
+
+    def run(fn, ts, dy):
+        leaves = [None if t is None else t.detach().clone().requires_grad_() for t in ts]
+        y = fn(*leaves)
+        y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves if t is not None]
+
+    with ops.use("triton"):
+        got = run(kernel, inputs, dy)
+    same = run(reference, inputs, dy)
+    ref = run(reference, [None if t is None else t.double() for t in inputs], dy.double())
+    for name, a, t, r in zip(["y", "dx", "dbias"], got, same, ref):
+        assert a.dtype == t.dtype and a.shape == t.shape, name
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err, tol = rel_err(a, r), tolerance(a, t, r)
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+
+
+def gelu_inputs(rows, width, dtype, bias=True, bias_dtype=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(rows, width, generator=g)).to(dtype)
+    b = torch.randn(width, generator=g).to(bias_dtype or dtype) if bias else None
+    return x, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [1, 100, 1000, 3000])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_gelu_matches_float64(dtype, width, bias):
+    rows = 37 if width < 3000 else 9
+    x, b = gelu_inputs(rows, width, dtype, bias, seed=width)
+    y_dtype = dtype
+    compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, y_dtype)
+
+
+def test_bias_gelu_fp32_bias_bf16_x_and_leading_dims():
+    """An fp32 bias promotes the output to fp32 (as x + bias does), dx stays bf16, dbias fp32."""
+    x, b = gelu_inputs(2 * 5 * 7, 64, torch.bfloat16, bias_dtype=torch.float32)
+    x = x.view(2, 5, 7, 64)
+    compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, torch.float32)
+
+
+def test_bias_gelu_backward_persistent_programs_cover_every_row():
+    """More row tiles than programs: the dbias partial sums must include every tile exactly once."""
+    x, b = gelu_inputs(300, 40, torch.float32)   # tiles of 64 rows: 5 tiles over 3 programs
+    compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("half", [1, 100, 1000, 3000])
+def test_swiglu_matches_float64(dtype, half):
+    rows = 37 if half < 3000 else 9
+    g = torch.Generator().manual_seed(half)
+    gu = (2 * torch.randn(rows, 2 * half, generator=g)).to(dtype)
+    compare(swiglu, swiglu_reference, [gu], (rows, half), dtype)
+
+
+def test_swiglu_leading_dims_and_halves():
+    """gate is the first half, up the second: swapping them must change the result."""
+    gu = torch.randn(3, 4, 2 * 48)
+    compare(swiglu, swiglu_reference, [gu], (3, 4, 48), torch.float32)
+    with ops.use("triton"):
+        y = swiglu(gu)
+    gate, up = gu[..., :48], gu[..., 48:]
+    assert torch.allclose(y, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(y, torch.nn.functional.silu(up) * gate, rtol=1e-2)
+
+
+def test_empty_rows():
+    with ops.use("triton"):
+        x = torch.randn(0, 16, requires_grad=True)
+        b = torch.randn(16, requires_grad=True)
+        bias_gelu(x, b).sum().backward()
+        assert torch.equal(b.grad, torch.zeros(16))
+        gu = torch.randn(0, 32, requires_grad=True)
+        assert swiglu(gu).shape == (0, 16)
+
+
+def test_bad_inputs_raise():
+    x = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="bias shape"):
+        bias_gelu(x, torch.randn(9))
+    with pytest.raises(ValueError, match="dtype"):
+        bias_gelu(x.long())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        bias_gelu(x.numpy())
+    with pytest.raises(ValueError, match="meta"):
+        bias_gelu(x, torch.randn(10, device="meta"))
+    with pytest.raises(ValueError, match="even"):
+        swiglu(torch.randn(4, 9))
+    with pytest.raises(ValueError, match="dtype"):
+        swiglu(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="0-dim"):
+        swiglu(torch.tensor(1.0))
+
+
+def test_custom_ops_pass_opcheck():
+    x, b = gelu_inputs(6, 40, torch.float32)
+    torch.library.opcheck(torch.ops.tilewise.bias_gelu_fwd.default, (x, b, torch.float32))
+    torch.library.opcheck(torch.ops.tilewise.bias_gelu_bwd.default, (torch.randn_like(x), x, b))
+    torch.library.opcheck(torch.ops.tilewise.bias_gelu_bwd.default, (torch.randn_like(x), x, None))
+    torch.library.opcheck(torch.ops.tilewise.swiglu_fwd.default, (x,))
+    torch.library.opcheck(torch.ops.tilewise.swiglu_bwd.default, (torch.randn(6, 20), x))
+
+
+def test_torch_compile_keeps_one_graph():
+    x, b = gelu_inputs(6, 48, torch.float32)
+
+    def f(x, b):
+        return swiglu(bias_gelu(x, b)).pow(2).sum()
+
+    leaves = [x.clone().requires_grad_(), b.clone().requires_grad_()]
+    compiled = [x.clone().requires_grad_(), b.clone().requires_grad_()]
+    with ops.use("triton"):
+        f(*leaves).backward()
+        torch.compile(f, backend="aot_eager", fullgraph=True)(*compiled).backward()
+    for a, c in zip(leaves, compiled):
+        assert torch.equal(a.grad, c.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_benchmark_sizes(dtype, device):
+    x, b = gelu_inputs(16384, 3072, dtype)
+    compare(bias_gelu, bias_gelu_reference, [x.to(device), b.to(device)], x.shape, dtype)
+    gu = torch.randn(16384, 2 * 8192, device=device, dtype=dtype)
+    compare(swiglu, swiglu_reference, [gu], (16384, 8192), dtype)
