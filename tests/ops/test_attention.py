@@ -215,6 +215,19 @@ def test_tma_and_pointer_paths_agree(packed, device, tma):
         assert torch.equal(a, b)
 
 
+def test_autograd_function_matches_the_custom_op(device, tma):
+    """FlashAttnFunction.apply (no op dispatch) and the registered custom op are the same computation."""
+    tma("ptr")
+    q, k, v = qkv(1, 21, 21, 2, 1, 16, device=device)
+    dout = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(16)
+    with ops.use("triton"):
+        a, lse_a = _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)
+    b, lse_b = _grads(lambda *t: attn.FlashAttnFunction.apply(*t, None, 0, scale, -1, 0), (q, k, v), dout)
+    for x, y in zip(a + [lse_a], b + [lse_b]):
+        assert torch.equal(x, y)
+
+
 def test_lse_gradient(device, tma):
     """return_lse: the LSE matches and its gradient (dLSE_i * P_ij into dS) flows into q and k."""
     tma("ptr")

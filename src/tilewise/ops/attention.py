@@ -46,7 +46,7 @@ import triton.language as tl
 from .dispatch import use_triton
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # read inside a kernel: compiled Triton accepts only constexpr globals
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -178,15 +178,15 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """Online softmax over key blocks [lo, hi) (base 2; qk_scale includes log2(e))."""
-    start = lo.to(tl.int64)
-    k_ptrs = k_base + start * sks + offs_n[:, None] * sks + offs_d[None, :]
-    v_ptrs = v_base + start * svs + offs_n[:, None] * svs + offs_d[None, :]
+    k_offs = offs_n[:, None] * sks + offs_d[None, :]
+    v_offs = offs_n[:, None] * svs + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
         if USE_TMA:
             k = desc_k.load([k_row + start_n, kv_col])
         else:
-            k = _load_tile(k_ptrs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16) * qk_scale
         if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
@@ -203,11 +203,9 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
         if USE_TMA:
             v = desc_v.load([k_row + start_n, kv_col])
         else:
-            v = _load_tile(v_ptrs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_tile(v_base + start * svs + v_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         acc = _dot(_cast(p, v.dtype, EMU_BF16), v, acc, DOT_PREC, EMU_BF16)
         m_i = m_new
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
     return acc, l_i, m_i
 
 
@@ -238,7 +236,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     if USE_TMA:
         q = desc_q.load([b * rows_q + start + m0, h * HEAD_DIM])
     else:
-        q = _load_tile(q_base + offs_m[:, None] * sqs + offs_d[None, :], offs_m, sq, offs_d,
+        q = _load_tile(q_base + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :], offs_m, sq, offs_d,
                        HEAD_DIM, BLOCK_D, True)
     off = sk - sq
     qpos = offs_m + off
@@ -269,7 +267,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + offs_m[:, None] * sos + offs_d[None, :]
+    o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
     _store_tile(o_ptrs, _cast(out, O.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
     tl.store(LSE + b64 * slb + h64 * slh + start64 + offs_m, lse, mask=offs_m < sq)
 
@@ -290,9 +288,9 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + b64 * sob + start64 * sos + h64 * soh + offs_m[:, None] * sos + offs_d[None, :],
+    o = _load_tile(O + b64 * sob + start64 * sos + h64 * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :],
                    offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + offs_m[:, None] * sds + offs_d[None, :],
+    do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + offs_m.to(tl.int64)[:, None] * sds + offs_d[None, :],
                     offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     row = b64 * slb + h64 * slh + start64 + offs_m
@@ -312,17 +310,17 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, q_col, s
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi), in the transposed (key, query) frame."""
-    start = lo.to(tl.int64)
-    q_ptrs = q_base + start * sqs + offs_m[:, None] * sqs + offs_d[None, :]
-    do_ptrs = do_base + start * sds + offs_m[:, None] * sds + offs_d[None, :]
+    q_offs = offs_m[:, None] * sqs + offs_d[None, :]
+    do_offs = offs_m[:, None] * sds + offs_d[None, :]
     for start_m in tl.range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
             q = desc_q.load([q_row + start_m, q_col])
             do = desc_do.load([q_row + start_m, q_col])
         else:
-            q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-            do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            start = tl.cast(start_m, tl.int64)
+            q = _load_tile(q_base + start * sqs + q_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            do = _load_tile(do_base + start * sds + do_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         if MASKED:
             lse2 = tl.load(lse2_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
@@ -338,8 +336,6 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, q_col, s
         dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _dot(_cast(ds_t, q.dtype, EMU_BF16), q, dk, DOT_PREC, EMU_BF16)
-        q_ptrs += BLOCK_M * sqs
-        do_ptrs += BLOCK_M * sds
     return dk, dv
 
 
@@ -369,9 +365,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
         k = desc_k.load([b * rows_k + start + n0, hk * HEAD_DIM])
         v = desc_v.load([b * rows_k + start + n0, hk * HEAD_DIM])
     else:
-        k = _load_tile(K + b64 * skb + start64 * sks + hk64 * skh + offs_n[:, None] * sks + offs_d[None, :],
+        rows = offs_n.to(tl.int64)[:, None]
+        k = _load_tile(K + b64 * skb + start64 * sks + hk64 * skh + rows * sks + offs_d[None, :],
                        offs_n, sk, offs_d, HEAD_DIM, BLOCK_D, True)
-        v = _load_tile(V + b64 * svb + start64 * svs + hk64 * svh + offs_n[:, None] * svs + offs_d[None, :],
+        v = _load_tile(V + b64 * svb + start64 * svs + hk64 * svh + rows * svs + offs_d[None, :],
                        offs_n, sk, offs_d, HEAD_DIM, BLOCK_D, True)
     off = sk - sq
     first = n0
@@ -400,7 +397,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
                               sq, sk, off, left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT,
                               HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
     dk = dk * softmax_scale
-    g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n[:, None] * sgs + offs_d[None, :]
+    g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
     _store_tile(DV + g_off, _cast(dv, DV.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
 
@@ -412,17 +409,17 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi)."""
-    start = lo.to(tl.int64)
-    k_ptrs = k_base + start * sks + offs_n[:, None] * sks + offs_d[None, :]
-    v_ptrs = v_base + start * svs + offs_n[:, None] * svs + offs_d[None, :]
+    k_offs = offs_n[:, None] * sks + offs_d[None, :]
+    v_offs = offs_n[:, None] * svs + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
         kpos = start_n + offs_n
         if USE_TMA:
             k = desc_k.load([k_row + start_n, kv_col])
             v = desc_v.load([k_row + start_n, kv_col])
         else:
-            k = _load_tile(k_ptrs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-            v = _load_tile(v_ptrs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            start = tl.cast(start_n, tl.int64)
+            k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_tile(v_base + start * svs + v_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -431,8 +428,6 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
         dp = _dot(do, tl.trans(v), None, DOT_PREC, EMU_BF16)
         ds = p * (dp - delta[:, None])
         dq = _dot(_cast(ds, k.dtype, EMU_BF16), k, dq, DOT_PREC, EMU_BF16)
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
     return dq
 
 
@@ -462,9 +457,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
         q = desc_q.load([b * rows_q + start + m0, h * HEAD_DIM])
         do = desc_do.load([b * rows_q + start + m0, h * HEAD_DIM])
     else:
-        q = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + offs_m[:, None] * sqs + offs_d[None, :],
+        rows = offs_m.to(tl.int64)[:, None]
+        q = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
                        offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-        do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + offs_m[:, None] * sds + offs_d[None, :],
+        do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + rows * sds + offs_d[None, :],
                         offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     row = b64 * slb + h64 * slh + start64 + offs_m
     lse2 = tl.load(LSE2 + row, mask=offs_m < sq, other=float("inf"))
@@ -490,7 +486,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
                     qpos, offs_n, offs_d, inner_hi, hi, sk, left, right, qk_scale, True,
                     HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
     dq = dq * softmax_scale
-    g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m[:, None] * sgs + offs_d[None, :]
+    g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(g_ptrs, _cast(dq, DQ.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
 
 

@@ -1,0 +1,312 @@
+"""Attention on the H200: tilewise flash attention against SDPA's flash and cuDNN backends and compiled
+FlexAttention, forward and backward, in one process on the same inputs (protocol in shared/BENCH.md).
+
+Shapes: bf16, batch * seqlen = 16384, heads * head_dim = 2048, head_dim 64 and 128, seqlen 1k/4k/16k,
+causal and not. FLOPs: forward 4*B*H*N*N*D (halved when causal), backward 2.5x forward. Every provider's
+output and gradients are checked against SDPA flash before it is timed; one that disagrees is not timed.
+The last row is the memory check: forward + backward at seqlen 131072, batch 1, 16 heads, head_dim 128,
+peak memory beyond inputs, outputs and gradients (limit 1 GB).
+
+    PYTHONPATH=src python3 bench/attention.py --out DIR [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+AGREE_TOL = 2e-2  # relative error norm between two bf16 attentions (each ~3e-3 from the exact result)
+TOKENS, WIDTH = 16384, 2048
+DEVICE = "cuda"
+# The anchor shapes of shared/BENCH.md come first, so a run that hits --budget still has them.
+ALL_SHAPES = [(128, 16384, False), (64, 4096, True), (64, 1024, True), (128, 16384, True), (64, 16384, False),
+              (64, 16384, True), (128, 4096, False), (128, 4096, True), (64, 4096, False), (128, 1024, False),
+              (128, 1024, True), (64, 1024, False)]
+QUICK_SHAPES = ALL_SHAPES[:4]
+MEMORY_AFTER = 4  # the memory row runs after the anchors, once d128 causal is tuned
+PTR_SHAPES = ALL_SHAPES[:2]  # the pointer-load path, beside the default (TMA on sm90), on the anchors
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="also write attention.json into this directory")
+    p.add_argument("--quick", action="store_true", help="the four anchor shapes and the memory row only")
+    p.add_argument("--budget", type=float, default=220.0,
+                   help="seconds; shapes not started when it runs out are recorded as skipped (default 220)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms (default 100)")
+    p.add_argument("--no-memory", action="store_true", help="skip the 128k memory row")
+    return p.parse_args(argv)
+
+
+def _env(path):
+    """The load path of tilewise's kernels: None = its default, 'ptr' = pointer loads."""
+    return {"TILEWISE_ATTN_TMA": "0"} if path == "ptr" else {}
+
+
+class _Env:
+    def __init__(self, values):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def providers(torch, F):
+    """name -> (fn(q, k, v, causal) on (B, N, H, D) tensors, env) or a string saying why it is missing."""
+    from tilewise.ops import flash_attention
+    found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {})}
+    found["tilewise_ptr"] = (found["tilewise"][0], _env("ptr"))
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        found["sdpa_flash"] = found["sdpa_cudnn"] = f"missing: {e}"
+    else:
+        def sdpa(backend):
+            def fn(q, k, v, causal):
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=causal)
+                return out.transpose(1, 2)
+            return fn
+        found["sdpa_flash"] = (sdpa(SDPBackend.FLASH_ATTENTION), {})
+        found["sdpa_cudnn"] = (sdpa(SDPBackend.CUDNN_ATTENTION), {})
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        found["flex"] = f"missing: {e}"
+    else:
+        import torch._dynamo
+        import torch._functorch.config
+        # The timed backward runs with retain_graph=True, which compiled backwards with donated buffers refuse.
+        torch._functorch.config.donated_buffer = False
+        for name in ("recompile_limit", "cache_size_limit"):  # past 8 shapes it silently runs unfused
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        masks = {}
+
+        def flex(q, k, v, causal):
+            n = q.shape[1]
+            mask = None
+            if causal:
+                if n not in masks:
+                    masks[n] = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
+                mask = masks[n]
+            out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask)
+            return out.transpose(1, 2)
+        found["flex"] = (flex, {})
+    return found
+
+
+def rel_diff(torch, a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_once(fn, q, k, v, causal, dout):
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v, causal)
+    out.backward(dout)
+    return [out.detach()] + [t.grad.detach().clone() for t in (q, k, v)]
+
+
+def bench_shape(torch, triton, provs, head_dim, seqlen, causal, rep, with_ptr):
+    heads, batch = WIDTH // head_dim, TOKENS // seqlen
+    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal,
+             "dtype": "bf16"}
+    gen = torch.Generator(device=DEVICE).manual_seed(seqlen + head_dim + causal)
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for _ in range(3))
+    dout = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    fwd_flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    results = {"fwd": {}, "bwd": {}}
+    notes, diffs = {}, {}
+    names = [n for n in provs if n != "tilewise_ptr" or with_ptr]
+    ref = None
+    anchor = "sdpa_flash" if not isinstance(provs.get("sdpa_flash"), str) else None
+    order = ([anchor] if anchor else []) + [n for n in names if n != anchor]
+    for name in order:
+        prov = provs[name]
+        if isinstance(prov, str):
+            notes[name] = prov
+            continue
+        fn, env = prov
+        try:
+            with _Env(env):
+                got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes here, before timing
+                if ref is None:
+                    ref = got
+                else:
+                    diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
+                    diffs[name] = round(diff, 5)
+                    if not diff < AGREE_TOL:
+                        notes[name] = f"disagrees with {anchor or order[0]}: rel diff {diff:.3g}, not timed"
+                        continue
+                out_fwd = lambda: fn(q, k, v, causal)  # noqa: E731
+                ms_f = triton.testing.do_bench(out_fwd, warmup=25, rep=rep, return_mode="median")
+                out = fn(q, k, v, causal)
+                ms_b = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25, rep=rep,
+                                               grad_to_none=[q, k, v], return_mode="median")
+                del out
+        except Exception as e:  # a backend that cannot run this shape (e.g. cuDNN missing) is recorded
+            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            continue
+        results["fwd"][name] = fwd_flops / (ms_f * 1e-3) / 1e12
+        results["bwd"][name] = 2.5 * fwd_flops / (ms_b * 1e-3) / 1e12
+    rows = []
+    for direction in ("fwd", "bwd"):
+        vals = results[direction]
+        row = {"shape": {**shape, "pass": direction}, "unit": "TFLOP/s"}
+        for name in names:
+            row[name] = round(vals[name], 1) if name in vals else None
+        mine = vals.get("tilewise")
+        peers = {n: x for n, x in vals.items() if not n.startswith("tilewise")}
+        for name in ("sdpa_flash", "flex"):
+            row[f"ratio_{name}"] = round(mine / peers[name], 3) if mine and name in peers else None
+        best = max(peers.items(), key=lambda kv: kv[1]) if peers else None
+        row["best_peer"] = best[0] if best else None
+        row["ratio_best_peer"] = round(mine / best[1], 3) if mine and best else None
+        if diffs:
+            row["rel_diff_vs_sdpa_flash"] = diffs
+        if notes:
+            row["notes"] = notes
+        rows.append(row)
+    return rows
+
+
+def memory_row(torch):
+    """Forward + backward at 128k tokens, causal: peak bytes beyond q, k, v, dout, out, lse, dq, dk, dv."""
+    from tilewise.ops import flash_attention
+    seqlen, heads, head_dim = 131072, 16, 128
+    warm = [torch.randn(1, 4096, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(3)]  # autotunes (if not done yet) at a small size: the same tuning key
+    flash_attention(*warm, causal=True).sum().backward()
+    del warm
+    shape = {"batch": 1, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": True,
+             "dtype": "bf16", "pass": "fwd+bwd"}
+    q, k, v = (torch.randn(1, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    held = sum(t.numel() * t.element_size() for t in (out, lse, q.grad, k.grad, v.grad))
+    extra = (torch.cuda.max_memory_allocated() - base - held) / 2**30
+    ok = bool(torch.isfinite(out).all()) and bool(torch.isfinite(q.grad).all())
+    return {"shape": shape, "unit": "GiB beyond inputs, outputs and gradients", "tilewise": round(extra, 4),
+            "limit": 1.0, "within_limit": extra < 1.0 and ok, "finite": ok, "seconds": round(seconds, 2)}
+
+
+def table(rows):
+    cols = ["tilewise", "tilewise_ptr", "sdpa_flash", "sdpa_cudnn", "flex"]
+    head = f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} " + " ".join(f"{c:>12}" for c in cols) + \
+        f" {'x flash':>8} {'x flex':>8} {'x best':>8}"
+    lines = ["attention, bf16, TFLOP/s (x = tilewise / peer)", head]
+    fmt = lambda x, w=12: f"{x:>{w}.1f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+    fmr = lambda x: f"{x:>8.2f}" if isinstance(x, (int, float)) else f"{'-':>8}"  # noqa: E731
+    for r in rows:
+        s = r["shape"]
+        if r["unit"] != "TFLOP/s":
+            if r.get("error"):
+                lines.append(f"memory 128k fwd+bwd: failed: {r['error']}")
+            else:
+                lines.append(f"memory 128k fwd+bwd: {r['tilewise']:.3f} GiB beyond tensors (limit {r['limit']} GiB), "
+                             f"{'ok' if r['within_limit'] else 'OVER LIMIT OR NON-FINITE'}, {r['seconds']} s")
+            continue
+        if r.get("skipped"):
+            lines.append(f"{s['head_dim']:>4} {s['seqlen']:>6} {str(s['causal']):>6} {s['pass']:>5} skipped: "
+                         f"{r['skipped']}")
+            continue
+        lines.append(f"{s['head_dim']:>4} {s['seqlen']:>6} {str(s['causal']):>6} {s['pass']:>5} "
+                     + " ".join(fmt(r.get(c)) for c in cols)
+                     + f" {fmr(r.get('ratio_sdpa_flash'))} {fmr(r.get('ratio_flex'))} {fmr(r.get('ratio_best_peer'))}")
+        for name, note in (r.get("notes") or {}).items():
+            if s["pass"] == "fwd":
+                lines.append(f"{'':>24}{name}: {note}")
+    return "\n".join(lines)
+
+
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+    import triton
+    if not torch.cuda.is_available():
+        print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    provs = providers(torch, F)
+    shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
+    rows, default_failed = [], False
+    for i, (head_dim, seqlen, causal) in enumerate(shapes):
+        if time.monotonic() - t0 > args.budget:
+            for direction in ("fwd", "bwd"):
+                rows.append({"shape": {"batch": TOKENS // seqlen, "seqlen": seqlen, "heads": WIDTH // head_dim,
+                                       "head_dim": head_dim, "causal": causal, "dtype": "bf16", "pass": direction},
+                             "unit": "TFLOP/s", "skipped": f"--budget {args.budget:.0f}s spent"})
+            continue
+        # The pointer path also runs wherever the default path has failed, so a broken TMA build still
+        # leaves numbers for the kernels.
+        with_ptr = (head_dim, seqlen, causal) in PTR_SHAPES or default_failed
+        new = bench_shape(torch, triton, provs, head_dim, seqlen, causal, args.rep, with_ptr=with_ptr)
+        default_failed = default_failed or any(r.get("tilewise") is None for r in new)
+        rows += new
+        print(f"[{time.monotonic() - t0:6.1f}s] d={head_dim} N={seqlen} causal={causal} done", flush=True)
+        torch.cuda.empty_cache()
+        if i + 1 == MEMORY_AFTER and not args.no_memory:
+            try:
+                rows.append(memory_row(torch))
+            except Exception as e:  # recorded, so the timing rows still reach the JSON
+                rows.append({"shape": {"batch": 1, "seqlen": 131072, "heads": 16, "head_dim": 128, "causal": True,
+                                       "dtype": "bf16", "pass": "fwd+bwd"},
+                             "unit": "GiB beyond inputs, outputs and gradients", "tilewise": None, "limit": 1.0,
+                             "within_limit": False, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            torch.cuda.empty_cache()
+    result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "commit": commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+              "seconds": round(time.monotonic() - t0, 1), "rows": rows}
+    text = json.dumps(result, indent=1)
+    targets = [Path(__file__).resolve().parent / "results"]
+    if args.out is not None:
+        targets.append(args.out)
+    for d in targets:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "attention.json").write_text(text + "\n")
+        except OSError as e:
+            print(f"could not write {d / 'attention.json'}: {e}", file=sys.stderr)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
