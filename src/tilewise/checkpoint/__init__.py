@@ -5,9 +5,10 @@ save.py      Checkpointer: per-rank shard files written in the background, commi
 load.py      reading N writer ranks' shards into M reader ranks (memory-mapped byte ranges)
 export.py    a HuggingFace transformers model directory from a run
 """
+from .export import export_hf
 from .load import load_into, load_tensors
 from .manifest import CheckpointError, inspect, read_manifest, resolve, summary
 from .save import Checkpointer
 
-__all__ = ["Checkpointer", "CheckpointError", "inspect", "load_into", "load_tensors", "read_manifest", "resolve",
+__all__ = ["Checkpointer", "CheckpointError", "export_hf", "inspect", "load_into", "load_tensors", "read_manifest", "resolve",
            "summary"]
