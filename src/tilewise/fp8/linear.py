@@ -129,7 +129,7 @@ class Fp8Linear(nn.Linear):
         elif not 0 <= slot <= state.num_tensors - 3:
             raise ValueError(f"Fp8Linear: slot={slot} does not fit a state of {state.num_tensors} tensors")
         self.fp8_state, self.fp8_slot = state, slot
-        self._w_cache = None
+        self.__dict__["_w_cache"] = None  # plain attribute writes: nn.Module.__setattr__ costs host time
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, state: Fp8State | None = None, slot: int | None = None,
@@ -148,7 +148,7 @@ class Fp8Linear(nn.Linear):
 
     def invalidate(self) -> None:
         """Drop the cached FP8 weight (Fp8State.step() and in-place weight updates already do)."""
-        self._w_cache = None
+        self.__dict__["_w_cache"] = None
 
     def _weight_fp8(self, need_t: bool):
         w, state = self.weight, self.fp8_state
@@ -157,7 +157,7 @@ class Fp8Linear(nn.Linear):
         if c is not None and c[0] == key and (c[2] is not None or not need_t):
             return c[1], c[2], c[3]
         w8, w8t, w_inv = _cast(state, self.fp8_slot + 1, w.detach(), rowwise=True, transpose=need_t)
-        self._w_cache = (key, w8, w8t, w_inv)
+        self.__dict__["_w_cache"] = (key, w8, w8t, w_inv)
         return w8, w8t, w_inv
 
     @torch.compiler.disable
@@ -169,10 +169,10 @@ class Fp8Linear(nn.Linear):
         if x.device != self.weight.device:
             raise ValueError(f"Fp8Linear: input on {x.device}, weight on {self.weight.device}")
         self.fp8_state.to(x.device)
+        # Under autocast the output takes the autocast dtype; nothing inside is on autocast's lists.
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        with torch.autocast(dev, enabled=False):
-            return _Fp8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        return _Fp8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", recipe={self.fp8_state.recipe.scaling}/{self.fp8_state.recipe.formats}"
