@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The H200 session script: installs the peers' wheels (if carried in .whl/), then runs the named stages,
+# each writing its log and JSON under $OUT. Stages: tests, attention, fused, cross_entropy, fp8,
+# dataloader, checkpoint, train124m.  Example: bash bench/h200.sh tests attention fused
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tilewise-out}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for stage in "$@"; do
+  start=$(date +%s)
+  case "$stage" in
+    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 > "$OUT/tests.log" ;;
+    attention|fused|cross_entropy|fp8|dataloader|checkpoint)
+      timeout 300 python3 "bench/$stage.py" --out "$OUT" > "$OUT/$stage.log" 2>&1 ;;
+    train124m)
+      TILEWISE_OPS=${TRAIN_OPS:-auto} timeout 300 python3 -m tilewise train --preset gpt2-124m \
+        --set train.max_steps=${STEPS:-150} --set train.eval_every=10000 --set train.log_every=25 \
+        --set train.progress=false --set checkpoint.every=0 --set train.out_dir='"/tmp/run124m"' \
+        > "$OUT/train124m.log" 2>&1; cp /tmp/run124m/summary.json "$OUT/train124m_summary.json" 2>/dev/null
+      cp /tmp/run124m/metrics.jsonl "$OUT/train124m_metrics.jsonl" 2>/dev/null ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "== $stage: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
+done

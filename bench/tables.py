@@ -1,0 +1,77 @@
+"""Regenerate the README's benchmark tables from bench/results/*.json (never edit those tables by hand).
+
+Each results file has {"area", "gpu", "torch", "triton", "commit", "date", "rows": [...]}; every row has a
+"shape" dict and numeric columns. The table shows every key of the rows in first-seen order.
+
+    python bench/tables.py            # rewrites the block between the bench-tables markers in README.md
+    python bench/tables.py --check    # exits 1 if README.md is out of date
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START, END = "<!-- bench-tables:start -->", "<!-- bench-tables:end -->"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    return str(value)
+
+
+def table(result: dict) -> str:
+    rows = result.get("rows", [])
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    lines = [f"### {result.get('area', '?')}",
+             f"{result.get('gpu', '?')}, torch {result.get('torch', '?')}, triton {result.get('triton', '?')}, "
+             f"commit {str(result.get('commit', '?'))[:10]}, {result.get('date', '?')}. "
+             f"Reproduce: `{result.get('command', 'PYTHONPATH=src python3 bench/' + result.get('area', '?') + '.py')}`",
+             "",
+             "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def render() -> str:
+    paths = sorted(glob.glob(os.path.join(ROOT, "bench", "results", "*.json")))
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(table(json.load(f)))
+    return "\n\n".join(parts) if parts else "No results yet."
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's tables are out of date")
+    args = parser.parse_args()
+    readme = os.path.join(ROOT, "README.md")
+    with open(readme) as f:
+        text = f.read()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    new = f"{head}{START}\n{render()}\n{END}{tail}"
+    if args.check:
+        return 0 if new == text else 1
+    with open(readme, "w") as f:
+        f.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
