@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The H200 session script: installs the peers' wheels (if carried in .whl/), then runs the named stages,
-# each writing its log and JSON under $OUT. Stages: tests, attention, fused, cross_entropy, fp8,
+# each writing its log and JSON into $OUT/results.tgz. Stages: tests, attention, fused, cross_entropy, fp8,
 # dataloader, checkpoint, train124m.  Example: bash bench/h200.sh tests attention fused
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tilewise-out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/tilewise-out}   # the device tool brings back at most 8 files: everything goes into one tarball
+OUT=/tmp/tilewise-results
+mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -28,4 +29,5 @@ for stage in "$@"; do
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"
+  tar czf "$FINAL/results.tgz" -C "$OUT" .   # after every stage, so a timeout still returns what ran
 done

@@ -17,7 +17,8 @@ Flash attention: the N x N scores never reach HBM.
 - Loads: when the layout allows it (CUDA sm90+, 16-bit dtype, head_dim a power of two, the heads of a token
   side by side) K, V, Q and dO tiles come through host TMA tensor descriptors; otherwise (and with
   TILEWISE_ATTN_TMA=0) through masked pointer loads. Both are the same kernels (USE_TMA constexpr), and the
-  interpreter runs both.
+  interpreter runs both. A TMA tile may run into the next sequence's rows: such keys are masked (boundary
+  phase) and such queries get P = 0 (lse2 = +inf) or are never stored.
 
 Conventions (the flash-attn ones):
 - q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); heads_q is a
@@ -509,10 +510,11 @@ def _set_block_shapes(nargs):
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim class: <= 64, <= 128, > 128 (tile dim).
-# H200: 228 KB smem and 64K registers per SM. Forward: a 128-row Q tile per program, K/V streamed.
-# dK/dV: a 128-row key block per program (the dK, dV accumulators live in registers), queries streamed.
+# H200: 228 KB smem and 64K registers per SM. Forward: a 128-row Q tile per program, K/V streamed
+# (Q + stages * (K + V) tiles stay under ~200 KB). dK/dV: a 128-row key block per program (the dK, dV
+# accumulators live in registers), Q/dO streamed. dQ: a 128-row query block, K/V streamed.
 _FWD = {64: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 8, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 4)],
         256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)]}
 _DKDV = {64: [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
          128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
