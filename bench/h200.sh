@@ -19,7 +19,7 @@ for stage in "$@"; do
   case "$stage" in
     tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 > "$OUT/tests.log" ;;
     attention|fused|cross_entropy|fp8|dataloader|checkpoint)
-      timeout 300 python3 "bench/$stage.py" --out "$OUT" > "$OUT/$stage.log" 2>&1 ;;
+      timeout 300 python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} > "$OUT/$stage.log" 2>&1 ;;
     train124m)
       TILEWISE_OPS=${TRAIN_OPS:-auto} timeout 300 python3 -m tilewise train --preset gpt2-124m \
         --set train.max_steps=${STEPS:-150} --set train.eval_every=10000 --set train.log_every=25 \
