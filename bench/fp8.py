@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="one shape per model size")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
-    p.add_argument("--budget-s", type=float, default=200.0,
+    p.add_argument("--budget-s", type=float, default=150.0,
                    help="past this many seconds, torchao (slow to compile) is skipped for the remaining shapes")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (the benchmark) or cpu (a smoke run of the script: dims / 16, 64 tokens, host timer)")

@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from .dispatch import use_triton
 
@@ -125,9 +126,12 @@ _CAST_CONFIGS = [
     for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4))
 ]
 _MIN_BLOCK_M = 32  # of the configs and of the interpreter's tile: sizes the column-sum partials
-# Autotuning reruns the kernel: harmless, every side effect (stores, atomic max) is idempotent.
+# Autotuning reruns the kernel: harmless, every side effect (stores, atomic max) is idempotent. Short
+# timing runs (5 + 20 ms a config): a memory-bound kernel of 10-300 us is measured often enough in that.
 _fp8_cast_kernel_tuned = triton.autotune(
-    _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"])(_fp8_cast_kernel)
+    _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"],
+    do_bench=lambda kernel_call, quantiles: triton.testing.do_bench(kernel_call, warmup=5, rep=20,
+                                                                    quantiles=quantiles))(_fp8_cast_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
