@@ -183,7 +183,7 @@ def bench_shape(model, K, N, M, args, do_bench, convert_torchao, torchao_why, ov
            "ratio_bf16": tw / tput["bf16"] if tw and "bf16" in tput else None,
            "ratio_torchao": tw / tput["torchao"] if tw and "torchao" in tput else None,
            "ratio_best_peer": tw / max(peers) if tw and peers else None,
-           "ms": times, "host_us_per_iter": hosts, "rel_err_vs_fp32": errs, "notes": notes}
+           "detail": {"ms": times, "host_us_per_iter": hosts, "rel_err_vs_fp32": errs, "notes": notes}}
 
     # the three GEMMs alone: FP8 on operands cast once, vs bf16
     f = fp8["tilewise"]
@@ -211,9 +211,9 @@ def bench_shape(model, K, N, M, args, do_bench, convert_torchao, torchao_why, ov
     fwd16 = do_bench(lambda: x @ w.t(), warmup=25, rep=args.rep, return_mode="median")
     gemm_row = {"shape": {"model": model, "tokens": M, "in": K, "out": N, "pass": "GEMMs only (fwd, dgrad, wgrad)"},
                 "unit": "TFLOP/s", "tilewise": flops / (g8 * 1e-3) / 1e12, "bf16": flops / (g16 * 1e-3) / 1e12,
-                "fwd_gemm": {"fp8_scaled_mm": 2 * M * K * N / (fwd8 * 1e-3) / 1e12,
-                             "bf16_mm": 2 * M * K * N / (fwd16 * 1e-3) / 1e12},
-                "ms": {"tilewise": g8, "bf16": g16}}
+                "detail": {"fwd_gemm_TFLOPs": {"fp8_scaled_mm": 2 * M * K * N / (fwd8 * 1e-3) / 1e12,
+                                               "bf16_mm": 2 * M * K * N / (fwd16 * 1e-3) / 1e12},
+                           "ms": {"tilewise": g8, "bf16": g16}}}
     gemm_row["ratio_best_peer"] = gemm_row["tilewise"] / gemm_row["bf16"]
     if tw:  # what the casts, scales and launches cost on top of the GEMMs
         gemm_row["fp8_overhead_ms"] = times["tilewise"] - g8
@@ -225,7 +225,7 @@ def bench_shape(model, K, N, M, args, do_bench, convert_torchao, torchao_why, ov
                       return_mode="median")
         nbytes = t.numel() * (t.element_size() + 2)
         cast_rows.append({"shape": {"rows": t.shape[0], "cols": t.shape[1], "op": f"cast {what} -> {dt} + transpose + amax"},
-                          "unit": "GB/s", "tilewise": nbytes / (ms * 1e-3) / 1e9, "ms": ms})
+                          "unit": "GB/s", "tilewise": nbytes / (ms * 1e-3) / 1e9, "detail": {"ms": ms}})
     del f
     return row, gemm_row, cast_rows
 
@@ -295,7 +295,10 @@ def main(argv=None):
         "targets": {"min_ratio_bf16_8b": min(eight) if eight else None, "goal_ratio_bf16_8b": 1.3,
                     "min_ratio_torchao": min(vs_ao) if vs_ao else None,
                     "torchao_rows": len(vs_ao), "rows": len(rows)},
-        "rows": rows + gemm_rows + cast_rows,
+        "command": "PYTHONPATH=src python3 bench/fp8.py" + (" --quick" if args.quick else ""),
+        "rows": [{k: v for k, v in r.items() if k != "detail"} for r in rows + gemm_rows + cast_rows],
+        # per-row detail (times in ms, host time per iteration, errors vs fp32, notes), in row order
+        "details": [r["detail"] for r in rows + gemm_rows + cast_rows],
     }
     text = json.dumps(result, indent=1)
     targets = ([os.path.join(HERE, "results")] if args.device == "cuda" else []) + ([args.out] if args.out else [])
@@ -314,13 +317,13 @@ def main(argv=None):
           f"{'x bf16':>7} {'x ao':>6} {'fp8 GEMMs':>10} {'overhead ms':>11}  host us (bf16/ao/tw)"
     print(hdr)
     for r, g in zip(rows, gemm_rows):
-        s, ms, h = r["shape"], r["ms"], r["host_us_per_iter"]
+        s, ms, h = r["shape"], r["detail"]["ms"], r["detail"]["host_us_per_iter"]
         cell = lambda k: f"{fmt(r[k])} ({ms[k]:.2f})" if r[k] is not None else "-"
         print(f"{s['model']:<10} {str(s['in']) + '->' + str(s['out']):>12} {cell('bf16'):>12} {cell('torchao'):>12} "
               f"{cell('tilewise'):>12} {cell('tilewise_current'):>12} {fmt(r['ratio_bf16'], 2):>7} "
               f"{fmt(r['ratio_torchao'], 2):>6} {fmt(g['tilewise']):>10} {fmt(g.get('fp8_overhead_ms'), 3):>11}  "
               f"{fmt(h.get('bf16'))}/{fmt(h.get('torchao'))}/{fmt(h.get('tilewise'))}")
-        for k, v in r["notes"].items():
+        for k, v in r["detail"]["notes"].items():
             print(f"{'':<10} note {k}: {v}")
     print("\ncast kernel (copy + transposed copy + amax), GB/s (fraction of copy)")
     for c in cast_rows:
