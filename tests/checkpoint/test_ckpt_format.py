@@ -365,3 +365,21 @@ def test_cuda_async_save_orders_the_copy_before_later_kernels(tmp_path):
     for k, v in targets.items():
         assert torch.equal(v.cpu(), (expected[k].float() / 2).to(v.dtype)), k
     ckpt.close()
+
+
+def test_background_failure_nobody_waited_for_is_printed_at_exit(tmp_path):
+    import subprocess
+    import sys
+    script = f"""
+import errno, torch
+import tilewise.checkpoint.save as save_mod
+from tilewise.checkpoint import Checkpointer
+def disk_full(path, *args):
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+save_mod._write_file = disk_full
+Checkpointer({str(tmp_path)!r}, async_save=True).save(1, {{"w": torch.ones(3)}}, {{}})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "CheckpointError" in proc.stderr and "No space left on device" in proc.stderr, proc.stderr
+    assert "rank00000.safetensors" in proc.stderr and "step 1" in proc.stderr
+    assert not os.path.exists(tmp_path / "latest")

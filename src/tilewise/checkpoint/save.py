@@ -171,7 +171,6 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._at_exit = self._close_at_exit
-        atexit.register(self._at_exit)
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -276,6 +275,7 @@ class Checkpointer:
             return final
         self._thread = threading.Thread(target=self._background, args=args, name=f"tilewise-ckpt-{step}")
         self._thread.start()
+        atexit.register(self._at_exit)   # a failure nobody waited for is still raised (printed) at exit
         return final
 
     def _describe(self, tensors: dict) -> dict:
@@ -403,6 +403,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            atexit.unregister(self._at_exit)
         if self._failure is not None:
             failure, self._failure = self._failure, None
             if isinstance(failure, CheckpointError):
@@ -416,7 +417,6 @@ class Checkpointer:
             self.wait()
         finally:
             self._buffer.release()
-            atexit.unregister(self._at_exit)
 
     def _close_at_exit(self) -> None:
         self.close()   # a background failure still raises here, so it is printed, never silent
