@@ -537,10 +537,12 @@ def _configs(table, interpret_shape):
 
 
 def _pruner(table):
+    """Keep the configs of the head_dim class; TILEWISE_ATTN_AUTOTUNE=0 keeps its first one, untimed."""
     def prune(configs, nargs, **kwargs):
-        args = {**nargs, **kwargs}
-        d = args["BLOCK_D"]
-        wanted = set(table[64 if d <= 64 else 128 if d <= 128 else 256])
+        d = {**nargs, **kwargs}["BLOCK_D"]
+        wanted = table[64 if d <= 64 else 128 if d <= 128 else 256]
+        if os.environ.get("TILEWISE_ATTN_AUTOTUNE", "1") == "0":
+            wanted = wanted[:1]
         keep = [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
         return keep or configs[:1]
