@@ -40,7 +40,7 @@ def _family(mc) -> str:
         return "gpt2"
     if (mc.norm, mc.mlp, mc.pos) == ("rmsnorm", "swiglu", "rope"):
         return "llama"
-    raise ValueError(f"export: model.norm={mc.norm!r}, model.mlp={mc.mlp!r}, model.pos={mc.pos!r}, "
+    raise CheckpointError(f"export: model.norm={mc.norm!r}, model.mlp={mc.mlp!r}, model.pos={mc.pos!r}, "
                      f"n_kv_head={mc.n_kv_head} match neither GPT-2 (layernorm, gelu, learned, no grouped-query "
                      f"attention) nor Llama (rmsnorm, swiglu, rope)")
 
@@ -122,7 +122,7 @@ def export_hf(run_dir: str, out_dir: str, *, vocab: str = "padded", checkpoint: 
     tokenizer.json, when its data directory has one.
     """
     if vocab not in ("padded", "tokenizer"):
-        raise ValueError(f"export: vocab={vocab!r}; expected 'padded' or 'tokenizer'")
+        raise CheckpointError(f"export: vocab={vocab!r}; expected 'padded' or 'tokenizer'")
     run_dir, out_dir = os.fspath(run_dir), os.fspath(out_dir)
     cfg = _run_config(run_dir)
     mc = cfg.model

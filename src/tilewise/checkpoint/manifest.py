@@ -304,3 +304,18 @@ def summary(path: str) -> dict:
     m = read_manifest(ckpt_dir)
     return {"path": ckpt_dir, "step": m["step"], "world_size": m["world_size"], "files": len(m["files"]),
             "bytes": sum(f["bytes"] for f in m["files"].values()), "tensors": len(m["tensors"])}
+
+
+def table(path: str) -> str:
+    """inspect() and summary() as text: a header line, then one aligned row per tensor."""
+    head = summary(path)
+    rows = inspect(path)
+    cols = ["tensor", "dtype", "shape", "kind", "shards", "bytes", "files"]
+    cells = [cols] + [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = [f"{head['path']}: step {head['step']}, {head['world_size']} ranks, {head['tensors']} tensors, "
+             f"{head['files']} files, {head['bytes']:,} bytes"]
+    for row in cells:
+        lines.append("  ".join(c.rjust(w) if i in (4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     .rstrip())
+    return "\n".join(lines)
