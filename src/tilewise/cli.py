@@ -1,4 +1,4 @@
-"""The command line: `tilewise prepare | train | sample`. Parsing only; the work is in the modules.
+"""The command line: `tilewise prepare | train | sample | export | ckpt`. Parsing only; the work is in the modules.
 
 User mistakes (a bad option value, a missing file, an unusable corpus) end with one line on stderr and
 exit status 2, never a traceback.
@@ -58,6 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+
+    p = sub.add_parser("export", help="write a run as a HuggingFace transformers model directory",
+                       description="Write the run's latest checkpoint as config.json + model.safetensors "
+                                   "(GPT2LMHeadModel or LlamaForCausalLM) and copy its tokenizer.json.")
+    p.add_argument("--run", required=True, metavar="DIR", help="run directory (holds config.json and checkpoints/)")
+    p.add_argument("--format", default="hf", choices=["hf"], help="output format (default: hf)")
+    p.add_argument("--vocab", default="padded", choices=["padded", "tokenizer"],
+                   help="padded: every embedding row, logits equal tilewise's; tokenizer: the tokenizer's rows only "
+                        "(default: padded)")
+    p.add_argument("out", metavar="OUT", help="output directory")
+
+    p = sub.add_parser("ckpt", help="look into checkpoints", description="Checkpoint tools.")
+    ckpt_sub = p.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND", required=True)
+    q = ckpt_sub.add_parser("inspect", help="print a checkpoint's manifest as a table",
+                            description="Print a checkpoint's manifest: step, ranks, and per tensor its dtype, "
+                                        "global shape, kind, shards, bytes and the ranks whose files hold it.")
+    q.add_argument("path", metavar="DIR", help="a checkpoint directory, a checkpoint root or a run directory")
     return parser
 
 
@@ -120,7 +137,22 @@ def cmd_sample(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "sample": cmd_sample}
+def cmd_export(args) -> int:
+    from .checkpoint.export import export_hf
+    info = export_hf(args.run, args.out, vocab=args.vocab)
+    print(f"{info['out_dir']}: {info['architecture']}, step {info['step']}, vocab {info['vocab_size']}, "
+          f"{info['params']:,} parameters")
+    return 0
+
+
+def cmd_ckpt(args) -> int:
+    from .checkpoint.manifest import table
+    print(table(args.path))
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "sample": cmd_sample, "export": cmd_export,
+            "ckpt": cmd_ckpt}
 
 
 def main(argv: list[str] | None = None) -> int:
