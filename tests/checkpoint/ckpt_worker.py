@@ -87,6 +87,8 @@ def train(args, rank, world):
         if rank < saved_world:
             assert torch.equal(targets["rng.cpu"], ref[f"rng.cpu.rank{rank}"]), f"rank {rank}: rng differs"
         print(f"rank {rank}: loaded {len(names)} tensors bitwise equal", flush=True)
+    if args.get("mesh_root"):
+        (mesh_save if args.get("mesh_save") else mesh_load)(args, rank, world)
     step = args.get("expect_step", 0)
     gen = torch.Generator().manual_seed(1234)
     for _ in range(args.get("steps", 0)):
@@ -109,6 +111,39 @@ def train(args, rank, world):
         if rank == 0:
             save_file(ref, args["ref_out"])
         print(f"rank {rank}: saved step {step}", flush=True)
+
+
+def mesh_expected() -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {"x": torch.randn(7, 10, generator=g), "y": torch.randn(9, 5, generator=g),
+            "z": torch.arange(6 * 11, dtype=torch.int32).view(6, 11)}
+
+
+def mesh_save(args, rank, world):
+    """DTensors on a 2-D mesh: replicas (written once), both dims sharded, one dim sharded twice."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    full = mesh_expected()
+    placements = {"x": [Replicate(), Shard(0)], "y": [Shard(0), Shard(1)], "z": [Shard(1), Shard(1)]}
+    tensors = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
+    Checkpointer(args["mesh_root"], chunk_bytes=64).save(1, tensors, {})
+    print(f"rank {rank}: saved the 2-D mesh tensors", flush=True)
+
+
+def mesh_load(args, rank, world):
+    """The 2-D mesh checkpoint into a 1-D mesh with other placements, and into whole tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    full = mesh_expected()
+    targets = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}
+    Checkpointer(args["mesh_root"]).load_into(targets)
+    whole = {k: torch.zeros_like(v) for k, v in full.items()}
+    Checkpointer(args["mesh_root"]).load_into(whole)
+    for k, v in full.items():
+        assert torch.equal(targets[k].full_tensor(), v) and torch.equal(whole[k], v), k
+    print(f"rank {rank}: mesh tensors bitwise equal", flush=True)
 
 
 def crash_tensors(rank: int, world: int) -> dict:

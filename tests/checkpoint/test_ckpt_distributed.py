@@ -107,10 +107,15 @@ def test_reshard_4_to_2(single_process_checkpoint, tmp_path):
     base = single_process_checkpoint
     run("train", 4, {"load_from": str(base / "ckpt1"), "ref_in": str(base / "ref1.safetensors"),
                      "expect_step": 2, "init_seed": 7, "steps": 1, "save_to": str(tmp_path / "ckpt4"),
-                     "ref_out": str(tmp_path / "ref4.safetensors")})
+                     "ref_out": str(tmp_path / "ref4.safetensors"), "mesh_root": str(tmp_path / "mesh"),
+                     "mesh_save": True})
     outs = run("train", 2, {"load_from": str(tmp_path / "ckpt4"), "ref_in": str(tmp_path / "ref4.safetensors"),
-                            "expect_step": 3, "init_seed": 8})
-    assert outs.count("bitwise equal") == 2
+                            "expect_step": 3, "init_seed": 8, "mesh_root": str(tmp_path / "mesh")})
+    assert outs.count("loaded") == 2 and outs.count("mesh tensors bitwise equal") == 2
+    # On the 2x2 mesh, replicas write nothing twice: x (Replicate, Shard(0)) has two shards, not four.
+    mesh = json.load(open(tmp_path / "mesh" / "step_00000001" / "manifest.json"))["tensors"]
+    assert len(mesh["x"]["shards"]) == 2 and len(mesh["y"]["shards"]) == 4 and len(mesh["z"]["shards"]) == 4
+    assert sorted(s["offsets"][1] for s in mesh["z"]["shards"]) == [0, 3, 6, 9]
     manifest = json.load(open(os.path.join(tmp_path, "ckpt4", "step_00000003", "manifest.json")))
     assert manifest["world_size"] == 4
     # Every rank wrote a share: FSDP2 shards, plus rows of the replicated tensors.
