@@ -311,8 +311,8 @@ def test_bad_constructor_arguments(tmp_path, kwargs, message):
 
 def test_inspect_rows_and_resolution(tmp_path):
     run = tmp_path / "run"
-    Checkpointer(run / "checkpoints").save(12, {"model.w": torch.ones(4, 3), "rng.cpu": torch.zeros(5, dtype=torch.uint8)},
-                                           {})
+    tensors = {"model.w": torch.ones(4, 3), "rng.cpu": torch.zeros(5, dtype=torch.uint8)}
+    Checkpointer(run / "checkpoints").save(12, tensors, {})
     for where in (run, run / "checkpoints", run / "checkpoints" / "step_00000012"):
         rows = inspect(str(where))
         assert rows == [

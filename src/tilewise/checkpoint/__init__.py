@@ -10,5 +10,5 @@ from .load import load_into, load_tensors
 from .manifest import CheckpointError, inspect, read_manifest, resolve, summary
 from .save import Checkpointer
 
-__all__ = ["Checkpointer", "CheckpointError", "export_hf", "inspect", "load_into", "load_tensors", "read_manifest", "resolve",
-           "summary"]
+__all__ = ["Checkpointer", "CheckpointError", "export_hf", "inspect", "load_into", "load_tensors", "read_manifest",
+           "resolve", "summary"]

@@ -221,7 +221,8 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"Checkpointer.save: step={step!r}; expected a non-negative integer")
         if not isinstance(tensors, dict):
-            raise TypeError(f"Checkpointer.save: tensors must be a dict of name -> tensor, got {type(tensors).__name__}")
+            raise TypeError(f"Checkpointer.save: tensors must be a dict of name -> tensor, "
+                            f"got {type(tensors).__name__}")
         for name, t in tensors.items():
             if not isinstance(name, str) or not name or name == "__metadata__":
                 raise ValueError(f"Checkpointer.save: tensor name {name!r}; expected a non-empty string")
