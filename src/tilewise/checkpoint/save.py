@@ -232,7 +232,7 @@ class Checkpointer:
         if not isinstance(state, dict):
             raise TypeError(f"Checkpointer.save: state must be a dict, got {type(state).__name__}")
         try:
-            json.dumps(state)
+            state = json.loads(json.dumps(state))   # a copy: the caller may change its dict while we write
         except (TypeError, ValueError) as e:
             raise TypeError(f"Checkpointer.save: state must be JSON-serializable: {e}") from None
 
@@ -315,7 +315,9 @@ class Checkpointer:
         for device, copies in by_device.items():
             with torch.cuda.device(device):
                 current = torch.cuda.current_stream(device)
-                side = self._streams.setdefault(device, torch.cuda.Stream(device))
+                if device not in self._streams:
+                    self._streams[device] = torch.cuda.Stream(device)
+                side = self._streams[device]
                 side.wait_stream(current)            # copy the values as of this call
                 with torch.cuda.stream(side), torch.no_grad():
                     for dst, src in copies:
