@@ -221,6 +221,17 @@ def test_gradient_arriving_as_strided_view():
         assert rel_err(a, t.grad) < 1e-5
 
 
+def test_shared_gradient_does_not_alias_leaves():
+    """Without dropout dx and dresidual are one tensor in the backward; two leaves' .grad must not share it."""
+    x, r, w, b = [leaf(t) for t in make(4, 32, torch.float32)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(x, r, w, b)
+    (y.sum() + h.sum()).backward()
+    before = r.grad.clone()
+    x.grad.zero_()
+    assert torch.equal(r.grad, before) and before.abs().sum() > 0
+
+
 def test_only_h_used_and_no_rows():
     """y unused (its gradient None): dx = dh; zero rows: empty outputs and zero weight gradients."""
     x, r, w, b = make(5, 40, torch.float32)

@@ -207,7 +207,7 @@ class BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
         out_dtype = torch.promote_types(x.dtype, bias.dtype) if bias is not None else x.dtype
-        x2 = _rows(x)
+        x2, bias = _rows(x), None if bias is None else bias.contiguous()
         y = torch.ops.tilewise.bias_gelu_fwd(x2, bias, out_dtype)
         ctx.save_for_backward(x2, bias)
         ctx.shape = x.shape

@@ -1,22 +1,26 @@
 """Residual add + dropout + LayerNorm/RMSNorm: h = residual + dropout(x), y = norm(h) * weight (+ bias).
 
-Forward, one pass over rows. A program takes BLOCK_M whole rows (several when rows are narrow, so each
-program moves enough bytes), forms h in fp32, rounds it to the residual dtype and stores it, takes the
-fp32 mean and rstd of that stored h, and writes y. The dropout mask comes from Philox keyed by
-(seed, row, column), so the backward regenerates it and nothing is stored. Bytes: read x, residual and
-weight; write y and h, plus 8 bytes of statistics per row. Rows wider than _MAX_FWD_ROW go by chunks in
-two passes: statistics (Chan's merge of chunk means and squared deviations), then h and y, the second
-pass re-reading x and residual, mostly from L2.
+Forward, one pass over rows. A tile is BLOCK_M whole rows (several when rows are narrow, so each step moves
+kilobytes); the program forms h in fp32, rounds it to the residual dtype and stores it, takes the fp32 mean
+and rstd of that stored h, and writes y. The dropout mask comes from Philox keyed by (seed, row, column),
+so the backward regenerates it and nothing is stored. Bytes: read x, residual and weight; write y and h,
+plus 8 bytes of statistics a row. Rows wider than _MAX_FWD_ROW go by chunks in two passes: statistics
+(Chan's merge of chunk means and squared deviations), then h and y, re-reading x and residual (from L2).
 
 Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
     dh = rstd * (g - mean(g) - hhat * mean(g * hhat)) + dh_in        (RMSNorm drops the mean(g) term)
-    dresidual = dh,  dx = keep * dh / (1 - p).
-dh_in is the gradient arriving at h, which the next block consumes. A persistent grid: each program walks
-a strided set of row tiles, sums dy * hhat and dy per column in registers and writes one fp32 row of
-partial sums; a small reduction over those rows (stage two) gives dweight and dbias, with no atomics.
-Bytes: read dy, dh_in, h and weight; write dx and dresidual (one tensor serves both when there is no
-dropout and the dtypes agree). Rows wider than _MAX_BWD_ROW: a per-row kernel takes mean(g) and
-mean(g * hhat) first, then the same kernel runs with the columns split across programs.
+    dresidual = dh,  dx = keep * dh / (1 - p),
+dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
+per column in registers over its row tiles and writes one fp32 row of partial sums; a small reduction over
+those rows (stage two) gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h and weight; write
+dx and dresidual (one tensor serves both when there is no dropout and the dtypes agree). Rows wider than
+_MAX_BWD_ROW: a per-row kernel takes mean(g) and mean(g * hhat) first, then the columns are split across
+programs.
+
+Both row-tile kernels are persistent: as many programs as the GPU keeps resident (from the compiled
+kernel's registers and shared memory), each walking tiles pid, pid + programs, ... in a software-pipelined
+loop, so the next tile's loads are in flight while this one reduces and stores. The tile holds about eight
+fp32 values a thread, which keeps the sm_90 builds near 64 registers without spills.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ def _keep_mask(seed, rows, col0, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     kept when the top 31 bits of its word are >= thr = p * 2**31. The mask depends only on (seed, row,
     column), never on the tiling, so the backward and keep_mask() reproduce it.
     """
+    tl.static_assert(BLOCK_N % 4 == 0)
     quads = (col0 // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
     c0 = tl.broadcast_to(quads[None, :], (BLOCK_M, BLOCK_N // 4))
     c1 = tl.broadcast_to(rows.to(tl.uint32)[:, None], (BLOCK_M, BLOCK_N // 4))
@@ -250,9 +255,9 @@ class Config(NamedTuple):
 
 
 def _config(width: int, max_row: int) -> Config:
-    """A tile of whole rows, at least 2048 elements (several narrow rows), 8 elements a thread: at 8 a
-    thread the compiled kernels (sm_90) stay near 64 registers without spilling, so a program of 32 warps
-    or two of 16 fit an SM, while each moves kilobytes per row tile."""
+    """A tile of whole rows, at least 2048 elements (several narrow rows), 8 elements a thread: so the
+    compiled kernels (sm_90) stay near 64 registers without spilling, and one program of 32 warps or two
+    of 16 fill an SM. bench/fused.py sweeps the neighbours of these choices."""
     if width > max_row:
         return Config(1, 4096, 16, chunked=True)
     block_n = max(16, triton.next_power_of_2(width))
@@ -292,7 +297,7 @@ def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             compiled._init_handles()
             per_thread = -(-max(compiled.n_regs, 1) // 8) * 8     # registers are allocated 8 at a time
-            per_sm = min(regs // (per_thread * 32 * warps), 64 // warps,
+            per_sm = min(regs // (per_thread * 32 * warps), 64 // warps, 32,
                          smem // (compiled.metadata.shared + 1024))
         except Exception:   # a Triton without warmup/n_regs: assume 64 registers a thread
             per_sm = max(1, 32 // warps)
@@ -356,7 +361,8 @@ def _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype,
         _bwd_row_sums_kernel[(M,)](dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, N, IS_RMS=is_rms,
                                    BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     thr, scale = _dropout_params(p)
-    # the partial-sum buffers are sized by the program count, so take it from a probe launch's arguments
+    # the program count (from the compiled kernel, so from the arguments) sizes the partial-sum buffers:
+    # a placeholder stands in for them until it is known
     probe = torch.empty((1, N), dtype=torch.float32, device=dev)
     args = [dy, dh if dh is not None else dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, dx,
             dr if dr.numel() else dx, probe, probe, M, N, n_tiles, seed, thr, scale]
@@ -414,8 +420,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class AddDropoutNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
+        weight = weight.contiguous()
         y, h, mean, rstd = torch.ops.tilewise.add_dropout_norm_fwd(
-            _rows(x), None if residual is None else _rows(residual), weight, bias, is_rms, eps, p, seed, h_dtype)
+            _rows(x), None if residual is None else _rows(residual), weight,
+            None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
         ctx.set_materialize_grads(False)
         ctx.meta = (is_rms, p, seed, x.dtype, residual is not None,
@@ -432,12 +440,13 @@ class AddDropoutNorm(torch.autograd.Function):
         dx, dr, dw, db = torch.ops.tilewise.add_dropout_norm_bwd(
             dy, None if dh is None else _rows(dh), h, weight, mean, rstd, bias_dtype is not None, is_rms, p, seed,
             x_dtype, has_res, res_dtype)
-        dres = None
+        dx, dres = dx.view(shape), None
         if has_res:
-            shared = res_dtype == x_dtype and p == 0.0      # then one tensor is both gradients
-            dres = (dx if shared else dr).view(shape)
+            # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
+            # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
+            dres = dx if res_dtype == x_dtype and p == 0.0 else dr.view(shape)
         db = db.to(bias_dtype) if bias_dtype is not None else None
-        return dx.view(shape), dres, dw.to(weight.dtype), db, None, None, None, None, None
+        return dx, dres, dw.to(weight.dtype), db, None, None, None, None, None
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
