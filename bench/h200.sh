@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 session script: installs the peers' wheels (if carried in .whl/), then runs the named stages,
 # each writing its log and JSON into $OUT/results.tgz. Stages: tests, attention, fused, cross_entropy, fp8,
-# dataloader, checkpoint, train124m.  Example: bash bench/h200.sh tests attention fused
+# dataloader, checkpoint, train124m (Triton ops), train124m-ref (PyTorch reference ops).  Example: bash bench/h200.sh tests attention fused
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/tilewise-out}   # the device tool brings back at most 8 files: everything goes into one tarball
@@ -17,15 +17,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -60 > "$OUT/tests.log" ;;
+    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/tests.log" 2>&1 ;;
     attention|fused|cross_entropy|fp8|dataloader|checkpoint)
       timeout 300 python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} > "$OUT/$stage.log" 2>&1 ;;
-    train124m)
-      TILEWISE_OPS=${TRAIN_OPS:-auto} timeout 300 python3 -m tilewise train --preset gpt2-124m \
+    train124m|train124m-ref)   # the trainer on GPT-2 124M: Triton ops (auto) or the PyTorch reference ops
+      ops=auto; [ "$stage" = train124m-ref ] && ops=reference
+      TILEWISE_OPS=$ops timeout ${TRAIN_TIMEOUT:-300} python3 -m tilewise train --preset gpt2-124m \
         --set train.max_steps=${STEPS:-150} --set train.eval_every=10000 --set train.log_every=25 \
-        --set train.progress=false --set checkpoint.every=0 --set train.out_dir='"/tmp/run124m"' \
-        > "$OUT/train124m.log" 2>&1; cp /tmp/run124m/summary.json "$OUT/train124m_summary.json" 2>/dev/null
-      cp /tmp/run124m/metrics.jsonl "$OUT/train124m_metrics.jsonl" 2>/dev/null ;;
+        --set train.progress=false --set checkpoint.every=0 --set train.out_dir="\"/tmp/$stage\"" \
+        > "$OUT/$stage.log" 2>&1
+      cp /tmp/$stage/summary.json "$OUT/${stage}_summary.json" 2>/dev/null
+      cp /tmp/$stage/metrics.jsonl "$OUT/${stage}_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: exit $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.log"

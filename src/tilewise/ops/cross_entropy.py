@@ -355,8 +355,14 @@ def cross_entropy(logits, target, *, ignore_index=-100, z_loss=0.0, reduction="m
 def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100, z_loss=0.0, reduction="mean"):
     """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits on the fused path.
 
-    hidden (..., width), weight (vocab, width), bias (vocab,) or None, target (...), all in one dtype.
+    hidden (..., width), weight (vocab, width), bias (vocab,) or None, target (...), all in one dtype;
+    under autocast they are cast to the autocast dtype first, as F.linear would be.
     """
+    device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     return linear_cross_entropy_fused(hidden, weight, target, bias=bias, ignore_index=ignore_index,
                                       z_loss=z_loss, reduction=reduction)
 
