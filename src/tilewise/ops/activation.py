@@ -198,6 +198,11 @@ def _(dy, gate_up):
     return torch.empty_like(gate_up)
 
 
+def _call(op, launcher, *args):
+    """The custom op while torch.compile traces; the launcher itself otherwise, skipping the op dispatch."""
+    return op(*args) if torch.compiler.is_compiling() else launcher(*args)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> contiguous (M, N), a view when t is contiguous."""
     return t.reshape(-1, t.shape[-1]).contiguous()
@@ -208,7 +213,7 @@ class BiasGelu(torch.autograd.Function):
     def forward(ctx, x, bias):
         out_dtype = torch.promote_types(x.dtype, bias.dtype) if bias is not None else x.dtype
         x2, bias = _rows(x), None if bias is None else bias.contiguous()
-        y = torch.ops.tilewise.bias_gelu_fwd(x2, bias, out_dtype)
+        y = _call(torch.ops.tilewise.bias_gelu_fwd, _bias_gelu_forward, x2, bias, out_dtype)
         ctx.save_for_backward(x2, bias)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -216,7 +221,7 @@ class BiasGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, bias = ctx.saved_tensors
-        dx, db = torch.ops.tilewise.bias_gelu_bwd(_rows(dy), x2, bias)
+        dx, db = _call(torch.ops.tilewise.bias_gelu_bwd, _bias_gelu_backward, _rows(dy), x2, bias)
         return dx.view(ctx.shape), (db.to(bias.dtype) if bias is not None else None)
 
 
@@ -226,12 +231,13 @@ class SwiGLU(torch.autograd.Function):
         gu = _rows(gate_up)
         ctx.save_for_backward(gu)
         ctx.shape = gate_up.shape
-        return torch.ops.tilewise.swiglu_fwd(gu).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        y = _call(torch.ops.tilewise.swiglu_fwd, _swiglu_forward, gu)
+        return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dy):
         (gu,) = ctx.saved_tensors
-        return torch.ops.tilewise.swiglu_bwd(_rows(dy), gu).view(ctx.shape)
+        return _call(torch.ops.tilewise.swiglu_bwd, _swiglu_backward, _rows(dy), gu).view(ctx.shape)
 
 
 # --------------------------------------------------------------------------------------------- public ops

@@ -411,6 +411,18 @@ def _(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype, has_res
             weight.new_empty(weight.shape if has_bias else (0,), dtype=torch.float32))
 
 
+def _fwd(*args):
+    """The custom op while torch.compile traces; the launcher itself otherwise, skipping the op dispatch."""
+    return torch.ops.tilewise.add_dropout_norm_fwd(*args) if torch.compiler.is_compiling() else _forward(*args)
+
+
+def _bwd(*args):
+    if torch.compiler.is_compiling():
+        return torch.ops.tilewise.add_dropout_norm_bwd(*args)
+    *head, has_res, res_dtype = args
+    return _backward(*head, res_dtype if has_res else None)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride, a view when possible."""
     t = t.reshape(-1, t.shape[-1])
@@ -421,7 +433,7 @@ class AddDropoutNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
         weight = weight.contiguous()
-        y, h, mean, rstd = torch.ops.tilewise.add_dropout_norm_fwd(
+        y, h, mean, rstd = _fwd(
             _rows(x), None if residual is None else _rows(residual), weight,
             None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
@@ -437,7 +449,7 @@ class AddDropoutNorm(torch.autograd.Function):
         is_rms, p, seed, x_dtype, has_res, res_dtype, bias_dtype, shape = ctx.meta
         # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
         dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
-        dx, dr, dw, db = torch.ops.tilewise.add_dropout_norm_bwd(
+        dx, dr, dw, db = _bwd(
             dy, None if dh is None else _rows(dh), h, weight, mean, rstd, bias_dtype is not None, is_rms, p, seed,
             x_dtype, has_res, res_dtype)
         dx, dres = dx.view(shape), None
