@@ -15,7 +15,7 @@ manifest.json:
      "crc32":   crc32 of the canonical JSON of everything above}
 
 A tensor is one of three kinds. "sharded": a DTensor; each shard is the box of the global tensor that its
-placements (Shard(dim) chunks, Replicate) give one rank. "replicated": a plain tensor that every rank holds
+placements (Shard(dim) chunks, Replicate) give one rank, written by one replica. "replicated": a plain tensor that every rank holds
 the same; the writing is split across ranks (large ones by rows, small ones whole). "per_rank": a plain
 tensor whose value differs by rank (RNG states); every rank writes its own, and rank r reads rank r's back.
 Its shards carry "rank". A file's crc32 list holds the CRC-32 of each chunk_bytes-long piece of the file, so a
@@ -98,12 +98,12 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(step, size - start)
 
 
-def dtensor_box(t) -> tuple[list[int], list[int], bool]:
+def dtensor_box(t, name: str = "") -> tuple[list[int], list[int], bool]:
     """(offsets, shape, writes) of a DTensor's local shard in its global tensor.
 
-    writes is False on the replicas of a Replicate mesh dimension other than coordinate 0, so each piece
-    is written once. Shard(dim) follows torch.chunk (FSDP2 and DTensor both cut that way), applied mesh
-    dimension by mesh dimension; other placements (Partial, strided sharding) are refused.
+    Shard(dim) follows torch.chunk (FSDP2 and DTensor both cut that way), applied mesh dimension by mesh
+    dimension; other placements (Partial, strided sharding) are refused. Along a Replicate mesh dimension
+    one replica writes (writes=True), chosen by the tensor's name, so replicas share the writing.
     """
     from torch.distributed.tensor import Replicate, Shard
     mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
@@ -114,7 +114,7 @@ def dtensor_box(t) -> tuple[list[int], list[int], bool]:
         if type(p).__name__ == "_StridedShard" or not isinstance(p, (Shard, Replicate)):
             raise CheckpointError(f"DTensor placement {p!r} is not supported; expected Shard(dim) or Replicate()")
         if isinstance(p, Replicate):
-            writes = writes and coord[mesh_dim] == 0
+            writes = writes and coord[mesh_dim] == zlib.crc32(name.encode()) % mesh.size(mesh_dim)
             continue
         start, length = chunk_range(shape[p.dim], mesh.size(mesh_dim), coord[mesh_dim])
         offsets[p.dim] += start

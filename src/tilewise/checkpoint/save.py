@@ -288,7 +288,7 @@ class Checkpointer:
             if _is_dtensor(t):
                 if name.startswith(self.per_rank_prefixes):
                     raise CheckpointError(f"tensor {name!r} is a DTensor but its name marks a per-rank tensor")
-                offsets, shape, writes = dtensor_box(t)
+                offsets, shape, writes = dtensor_box(t, name)
                 if shape == list(t.shape):        # fully replicated DTensor: a replicated tensor
                     entry["kind"] = "replicated"
                 else:
