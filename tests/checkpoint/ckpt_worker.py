@@ -65,6 +65,14 @@ def train(args, rank, world):
         targets = named_state(model, optimizer)
         targets["rng.cpu"] = torch.zeros_like(torch.get_rng_state())
         ckpt = Checkpointer(args["load_from"])
+        import tilewise.checkpoint.load as load_mod
+        manifest = json.load(open(os.path.join(ckpt.latest(), "manifest.json")))
+        size = next(iter(manifest["files"].values()))["chunk_bytes"]
+        read = set()   # (file, chunk) pairs whose checksum this rank verified, i.e. the bytes it read
+        check = load_mod._Files.check
+        load_mod._Files.check = lambda self, name, lo, hi: (
+            read.update((name, i) for i in range(lo // size, (hi - 1) // size + 1) if hi > lo),
+            check(self, name, lo, hi))[1]
         saved_world = json.load(open(os.path.join(ckpt.latest(), "manifest.json")))["world_size"]
         if rank >= saved_world:   # this rank has no saved RNG state: strict refuses, non-strict skips it
             try:
@@ -86,6 +94,11 @@ def train(args, rank, world):
             assert got.dtype == ref[name].dtype and torch.equal(got, ref[name]), f"rank {rank}: {name} differs"
         if rank < saved_world:
             assert torch.equal(targets["rng.cpu"], ref[f"rng.cpu.rank{rank}"]), f"rank {rank}: rng differs"
+        load_mod._Files.check = check
+        chunks = sum(-(-f["bytes"] // f["chunk_bytes"]) for f in manifest["files"].values())
+        if world > 1:   # each rank reads its shards' bytes: about 1/world of the checkpoint, not all of it
+            assert len(read) < 1.5 * chunks / world, (len(read), chunks)
+        print(f"rank {rank}: read {len(read)} of {chunks} checksum chunks", flush=True)
         print(f"rank {rank}: loaded {len(names)} tensors bitwise equal", flush=True)
     if args.get("mesh_root"):
         (mesh_save if args.get("mesh_save") else mesh_load)(args, rank, world)
@@ -100,7 +113,7 @@ def train(args, rank, world):
     if args.get("save_to"):
         torch.manual_seed(100 + rank)
         tensors = {**named_state(model, optimizer), "rng.cpu": torch.get_rng_state()}
-        ckpt = Checkpointer(args["save_to"], async_save=args.get("async", False), chunk_bytes=4096,
+        ckpt = Checkpointer(args["save_to"], async_save=args.get("async", False), chunk_bytes=256,
                             split_bytes=2048)
         ckpt.save(step, tensors, {"data": {"next_batch": step}})
         ckpt.close()
