@@ -524,7 +524,7 @@ def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e
         if p == 0.0:
             seed = 0
         elif seed is None:
-            seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+            seed = int(torch.randint(0, 2 ** 31 - 1, (1,), device="cpu").item())     # host RNG: no device sync
         return AddDropoutNorm.apply(x, residual, weight, bias, kind == "rmsnorm", float(eps), p, int(seed),
                                     residual_dtype)
     return add_dropout_norm_reference(x, residual, weight, bias, kind=kind, eps=eps, dropout_p=p, seed=seed,
