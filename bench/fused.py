@@ -42,8 +42,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write fused.json into this directory")
     ap.add_argument("--quick", action="store_true", help="two norm shapes, no config sweep")
-    ap.add_argument("--budget-s", type=float, default=180.0,
-                    help="stop starting config-sweep work after this many seconds of the run (default 180)")
+    ap.add_argument("--budget-s", type=float, default=160.0,
+                    help="stop starting config-sweep work after this many seconds of the run (default 160)")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script without a GPU: tiny shapes on CPU through the Triton interpreter, "
                          "host timer; writes nothing under bench/results")

@@ -11,7 +11,7 @@ from tilewise import ops
 from tilewise.ops import activation
 from tilewise.ops.activation import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference
 
-from test_norm import DTYPES, nan_empty, rel_err, tolerance  # noqa: F401  (nan_empty: autouse fixture)
+from test_norm import DEVICE, DTYPES, nan_empty, rel_err, tolerance  # noqa: F401  (nan_empty: autouse fixture)
 
 
 def compare(kernel, reference, inputs, dy_shape, dy_dtype):
@@ -38,8 +38,8 @@ def compare(kernel, reference, inputs, dy_shape, dy_dtype):
 
 def gelu_inputs(rows, width, dtype, bias=True, bias_dtype=None, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = (2 * torch.randn(rows, width, generator=g)).to(dtype)
-    b = torch.randn(width, generator=g).to(bias_dtype or dtype) if bias else None
+    x = (2 * torch.randn(rows, width, generator=g)).to(DEVICE, dtype)
+    b = torch.randn(width, generator=g).to(DEVICE, bias_dtype or dtype) if bias else None
     return x, b
 
 
@@ -71,13 +71,13 @@ def test_bias_gelu_backward_persistent_programs_cover_every_row():
 def test_swiglu_matches_float64(dtype, half):
     rows = 37 if half < 3000 else 9
     g = torch.Generator().manual_seed(half)
-    gu = (2 * torch.randn(rows, 2 * half, generator=g)).to(dtype)
+    gu = (2 * torch.randn(rows, 2 * half, generator=g)).to(DEVICE, dtype)
     compare(swiglu, swiglu_reference, [gu], (rows, half), dtype)
 
 
 def test_swiglu_leading_dims_and_halves():
     """gate is the first half, up the second: swapping them must change the result."""
-    gu = torch.randn(3, 4, 2 * 48)
+    gu = torch.randn(3, 4, 2 * 48, device=DEVICE)
     compare(swiglu, swiglu_reference, [gu], (3, 4, 48), torch.float32)
     with ops.use("triton"):
         y = swiglu(gu)
@@ -88,28 +88,28 @@ def test_swiglu_leading_dims_and_halves():
 
 def test_empty_rows():
     with ops.use("triton"):
-        x = torch.randn(0, 16, requires_grad=True)
-        b = torch.randn(16, requires_grad=True)
+        x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+        b = torch.randn(16, device=DEVICE, requires_grad=True)
         bias_gelu(x, b).sum().backward()
-        assert torch.equal(b.grad, torch.zeros(16))
-        gu = torch.randn(0, 32, requires_grad=True)
+        assert torch.equal(b.grad, torch.zeros_like(b))
+        gu = torch.randn(0, 32, device=DEVICE, requires_grad=True)
         assert swiglu(gu).shape == (0, 16)
 
 
 def test_bad_inputs_raise():
-    x = torch.randn(4, 10)
+    x = torch.randn(4, 10, device=DEVICE)
     with pytest.raises(ValueError, match="bias shape"):
-        bias_gelu(x, torch.randn(9))
+        bias_gelu(x, torch.randn(9, device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
         bias_gelu(x.long())
     with pytest.raises(TypeError, match="torch.Tensor"):
-        bias_gelu(x.numpy())
+        bias_gelu(x.cpu().numpy())
     with pytest.raises(ValueError, match="meta"):
         bias_gelu(x, torch.randn(10, device="meta"))
     with pytest.raises(ValueError, match="even"):
-        swiglu(torch.randn(4, 9))
+        swiglu(torch.randn(4, 9, device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
-        swiglu(torch.ones(4, 8, dtype=torch.int32))
+        swiglu(torch.ones(4, 8, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="0-dim"):
         swiglu(torch.tensor(1.0))
 
@@ -120,7 +120,7 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.tilewise.bias_gelu_bwd.default, (torch.randn_like(x), x, b))
     torch.library.opcheck(torch.ops.tilewise.bias_gelu_bwd.default, (torch.randn_like(x), x, None))
     torch.library.opcheck(torch.ops.tilewise.swiglu_fwd.default, (x,))
-    torch.library.opcheck(torch.ops.tilewise.swiglu_bwd.default, (torch.randn(6, 20), x))
+    torch.library.opcheck(torch.ops.tilewise.swiglu_bwd.default, (torch.randn(6, 20, device=DEVICE), x))
 
 
 def test_torch_compile_keeps_one_graph():
@@ -142,6 +142,6 @@ def test_torch_compile_keeps_one_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_benchmark_sizes(dtype, device):
     x, b = gelu_inputs(16384, 3072, dtype)
-    compare(bias_gelu, bias_gelu_reference, [x.to(device), b.to(device)], x.shape, dtype)
+    compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, dtype)
     gu = torch.randn(16384, 2 * 8192, device=device, dtype=dtype)
     compare(swiglu, swiglu_reference, [gu], (16384, 8192), dtype)

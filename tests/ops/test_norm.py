@@ -21,6 +21,7 @@ from tilewise.ops import norm
 from tilewise.ops.norm import Config, add_dropout_norm, add_dropout_norm_reference, keep_mask
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # as conftest's device fixture: kernels need it
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -81,7 +82,7 @@ def leaf(t, dtype=None):
     return None if t is None else t.detach().to(dtype or t.dtype).requires_grad_()
 
 
-def make(rows, width, dtype, *, residual=True, bias=True, res_dtype=None, device="cpu", seed=0):
+def make(rows, width, dtype, *, residual=True, bias=True, res_dtype=None, device=DEVICE, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g).to(device, dtype)
     r = torch.randn(rows, width, generator=g).to(device, res_dtype or dtype) if residual else None
@@ -168,7 +169,7 @@ def test_chunked_kernels_at_small_widths(kind, width, dropout_p):
     x = x + 300.0                                    # a mean far from zero
     cfg = Config(1, 64, 2, chunked=True)
     seed = 77
-    mask = keep_mask(6, width, dropout_p, seed) if dropout_p else None
+    mask = keep_mask(6, width, dropout_p, seed, DEVICE) if dropout_p else None
 
     def kernel(x, r, w, b):
         return _ChunkedForTest.apply(x, r, w, b, kind == "rmsnorm", dropout_p, seed, cfg)
@@ -202,7 +203,7 @@ def test_tile_shapes_agree(cfg):
     def kernel(x, r, w, b):
         return _ChunkedForTest.apply(x, r, w, b, False, 0.1, 4, cfg)
 
-    check_against_float64(x, r, w, b, kind="layernorm", dropout_p=0.1, mask=keep_mask(37, 100, 0.1, 4),
+    check_against_float64(x, r, w, b, kind="layernorm", dropout_p=0.1, mask=keep_mask(37, 100, 0.1, 4, DEVICE),
                           kernel=kernel)
 
 
@@ -212,11 +213,11 @@ def test_gradient_arriving_as_strided_view():
     leaves = [leaf(t) for t in (x, r, w, b)]
     with ops.use("triton"):
         y, h = add_dropout_norm(*leaves, kind="rmsnorm")
-    (torch.cat([y, h], dim=-1) * torch.arange(128.0)).sum().backward()
+    (torch.cat([y, h], dim=-1) * torch.arange(128.0, device=DEVICE)).sum().backward()
     got = [t.grad for t in leaves]
     ref_leaves = [leaf(t, torch.float64) for t in (x, r, w, b)]
     y, h = add_dropout_norm_reference(*ref_leaves, kind="rmsnorm")
-    (torch.cat([y, h], dim=-1) * torch.arange(128.0, dtype=torch.float64)).sum().backward()
+    (torch.cat([y, h], dim=-1) * torch.arange(128.0, dtype=torch.float64, device=DEVICE)).sum().backward()
     for a, t in zip(got, ref_leaves):
         assert rel_err(a, t.grad) < 1e-5
 
@@ -245,7 +246,7 @@ def test_only_h_used_and_no_rows():
     with ops.use("triton"):
         y, h = add_dropout_norm(x, r, w, b)
     (y.sum() + h.sum()).backward()
-    assert y.shape == (0, 40) and torch.equal(w.grad, torch.zeros(40)) and torch.equal(b.grad, torch.zeros(40))
+    assert y.shape == (0, 40) and torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
 # ------------------------------------------------------------------------------------------------- dropout
@@ -255,17 +256,17 @@ def test_dropout_backward_uses_the_forward_mask():
     for kind, dtype in (("layernorm", torch.float32), ("rmsnorm", torch.bfloat16)):
         x, r, w, b = make(21, 333, dtype, seed=3)
         check_against_float64(x, r, w, b, kind=kind, dropout_p=0.3, seed=1234,
-                              mask=keep_mask(21, 333, 0.3, 1234))
+                              mask=keep_mask(21, 333, 0.3, 1234, DEVICE))
 
 
 def test_keep_mask_is_what_the_kernel_applies():
     """x = ones, no residual: h = keep / (1 - p) exactly where keep_mask says, 0 elsewhere."""
     p, rows, width = 0.4, 33, 517
-    x = torch.ones(rows, width)
-    w = torch.ones(width)
+    x = torch.ones(rows, width, device=DEVICE)
+    w = torch.ones(width, device=DEVICE)
     with ops.use("triton"):
         _, h = add_dropout_norm(x, None, w, dropout_p=p, seed=99)
-    keep = keep_mask(rows, width, p, 99)
+    keep = keep_mask(rows, width, p, 99, DEVICE)
     assert torch.equal(h != 0, keep)
     assert torch.allclose(h[keep], torch.full_like(h[keep], 1 / (1 - p)))
 
@@ -280,7 +281,7 @@ def test_same_seed_same_mask_other_seed_other_mask():
         h5 = add_dropout_norm(x, r, w, b, dropout_p=0.5)[1]
         h_eval = add_dropout_norm(x, r, w, b, dropout_p=0.5, training=False)[1]
     assert torch.equal(h1, h2)
-    k1, k3 = keep_mask(16, 256, 0.5, 7), keep_mask(16, 256, 0.5, 8)
+    k1, k3 = keep_mask(16, 256, 0.5, 7, DEVICE), keep_mask(16, 256, 0.5, 8, DEVICE)
     differ = (k1 != k3).float().mean().item()                      # about 2 p (1 - p) = 0.5
     assert 0.4 < differ < 0.6
     assert not torch.equal(h1, h3) and not torch.equal(h4, h5)
@@ -292,7 +293,7 @@ def test_kept_fraction_and_independence(p):
     """Kept fraction 1 - p within 5 sigma, overall, for each of the 4 columns sharing a Philox call, for
     neighbouring columns jointly, and across rows: the interleaving of the four words must not repeat."""
     rows, width = 64, 1000
-    keep = keep_mask(rows, width, p, seed=2024).double()
+    keep = keep_mask(rows, width, p, seed=2024, device=DEVICE).double()
     n = keep.numel()
 
     def within(frac, q, count):
@@ -327,7 +328,7 @@ def test_bad_inputs_raise():
         ((x, r[:, :16], w), ValueError, "residual shape"),
         ((x, r, w[:16]), ValueError, "weight shape"),
         ((x, r, w, b[:3]), ValueError, "bias shape"),
-        ((x.numpy(), r, w), TypeError, "torch.Tensor"),
+        ((x.cpu().numpy(), r, w), TypeError, "torch.Tensor"),
         ((x, r, w.to("meta")), ValueError, "meta"),
         ((torch.empty(2, 65537), None, torch.empty(65537)), ValueError, "65536"),
         ((torch.empty(2, 0), None, torch.empty(0)), ValueError, "width"),
