@@ -1,7 +1,16 @@
-"""The training loop: data -> model -> loss -> AdamW -> metrics and checkpoints.
+"""The training loop: data -> model -> loss -> AdamW -> metrics and checkpoints, on one process or many.
 
-One optimizer step consumes train.batch_size rows of model.seq_len tokens, in train.grad_accum
-micro-batches. The loop syncs with the host only every log_every steps (to read the loss), never per step.
+One optimizer step consumes train.batch_size rows of model.seq_len tokens (the global batch, over all ranks),
+in train.grad_accum micro-batches; each rank reads batch_size // (world_size * grad_accum) rows of each.
+The loop syncs with the host only every log_every steps (to read the loss), never per step.
+
+Under torchrun (distributed.strategy ddp, fsdp or hsdp; see tilewise/distributed.py) rank 0 prepares the
+data, prints, and writes metrics, config.json and summary.json; every rank writes its shard of each
+checkpoint. The data position is a global batch index, so a run resumes exactly with any world size.
+RNG: each rank has its own CPU/CUDA generator state (dropout), seeded from (seed, rank, step) and saved per
+rank. Resumed with the same world size, a run repeats the uninterrupted one bitwise; with another world size
+the generators are seeded anew from (seed, rank, step), so with dropout only the distribution repeats.
+Without dropout, runs of any world size follow one trajectory up to fp32 rounding (reduction order).
 """
 from __future__ import annotations
 
@@ -10,13 +19,16 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 
+import numpy as np
 import torch
 
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, CheckpointError, read_manifest
 from .config import Config, ConfigError
-from .data import Prefetcher, TokenDataset, prepare, unigram_val_loss
+from .data import DataError, Prefetcher, TokenDataset, load_meta, prepare, unigram_val_loss
+from .distributed import Dist, full_value, init_distributed, parallelize, sync_context, unwrap
 from .metrics import Metrics, peak_flops, plot_losses, write_json
 from .model import GPT
 
@@ -59,51 +71,87 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; the fused CUDA kernel on GPU."""
+    """AdamW with weight decay on matrices only; the fused kernel where the parameters are on a GPU."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    extra = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)  # not offloaded
+    extra = {"fused": True} if on_gpu else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), **extra)
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of rank's generators (dropout) from step on: distinct per rank, independent of the init seed."""
+    return int(np.random.SeedSequence([seed, rank, step, 0x7417]).generate_state(1, np.uint64)[0] >> 1)
 
 
 # ------------------------------------------------------------------------------------------------
 # Training state <-> flat tensors (for the checkpoint)
 # ------------------------------------------------------------------------------------------------
 
-def training_tensors(model, optimizer) -> dict[str, torch.Tensor]:
-    """Model weights, AdamW moments and RNG states as one flat dict of named tensors."""
+def training_tensors(model, optimizer, fp8_state=None) -> dict[str, torch.Tensor]:
+    """Model weights, AdamW moments, FP8 scaling state and RNG states as one flat dict of named tensors.
+
+    Under fsdp/hsdp the weights and moments are DTensors (each rank's shard); rng.* are per-rank values."""
+    model = unwrap(model)
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     names = {p: n for n, p in model.named_parameters()}
     for p, state in optimizer.state.items():
         for key, value in state.items():
             tensors[f"optim.{names[p]}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    if fp8_state is not None:
+        tensors.update({f"fp8.{k}": v for k, v in fp8_state.state_dict().items()})
     tensors["rng.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     return tensors
 
 
-def restore_training_tensors(tensors, model, optimizer) -> None:
-    model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    missing, unexpected = model.load_state_dict(model_state, strict=False)
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (moments and step counters in their real dtypes, devices and placements)
+    by one step of zero gradients at learning rate 0, which leaves the parameters as they are."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def restore(ckpt: Checkpointer, path: str, model, optimizer, fp8_state, d: Dist, seed: int) -> dict:
+    """Load checkpoint `path` into this rank's model, optimizer and FP8 state (resharding to this world
+    size); restore this rank's RNG states when the world size is the one saved, else seed them anew.
+    Returns the checkpoint's state (with "step")."""
+    init_optimizer_state(optimizer)
+    targets = training_tensors(model, optimizer, fp8_state)
+    fp8_targets = {k: v for k, v in targets.items() if k.startswith("fp8.")}
+    rng = {k: torch.empty_like(v) for k, v in targets.items() if k.startswith("rng.")}
+    targets = {k: v for k, v in targets.items() if not k.startswith("rng.")}
+    manifest = read_manifest(path)
+    saved = {k for k in manifest["tensors"] if not k.startswith("rng.")}
+    missing, unexpected = sorted(set(targets) - saved), sorted(saved - set(targets))
     if missing or unexpected:
-        raise ConfigError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    sd = optimizer.state_dict()
-    index = {}
-    for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
-        index.update(zip(group["params"], saved["params"]))
-    sd["state"] = {}
-    for name, p in model.named_parameters():
-        keys = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.")
-                and k.count(".") == name.count(".") + 2}
-        if keys:
-            sd["state"][index[p]] = keys
-    optimizer.load_state_dict(sd)
-    torch.set_rng_state(tensors["rng.cpu"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+        hint = " (was fp8.recipe the same?)" if any(k.startswith("fp8.") for k in missing + unexpected) else ""
+        raise CheckpointError(f"{path} does not match this run{hint}: it lacks {missing[:5]} and has "
+                              f"{unexpected[:5]} that this run does not")
+    same_world = manifest["world_size"] == d.world_size
+    if same_world:
+        targets.update({k: v for k, v in rng.items() if k in manifest["tensors"]})
+    state = ckpt.load_into(targets, path, strict=False)
+    if fp8_state is not None:
+        fp8_state.load_state_dict({k[len("fp8."):]: v for k, v in fp8_targets.items()})
+    if same_world and "rng.cpu" in targets:
+        torch.set_rng_state(targets["rng.cpu"])
+        if "rng.cuda" in targets and torch.cuda.is_available():
+            torch.cuda.set_rng_state(targets["rng.cuda"])
+    else:
+        torch.manual_seed(rank_seed(seed, d.rank, state["step"]))
+    return state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,16 +159,17 @@ def restore_training_tensors(tensors, model, optimizer) -> None:
 # ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model, dataset: TokenDataset, cfg: Config, device, autocast) -> float:
-    """Mean loss over the first eval_batches batches of the val split (the same batches every time)."""
+def evaluate(model, dataset: TokenDataset, cfg: Config, d: Dist, autocast) -> float:
+    """Mean loss over the first eval_batches batches of the val split (the same batches every time, whatever
+    the world size: each rank takes its rows of each batch, and the means are averaged over ranks)."""
     model.eval()
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=d.device)
     for i in range(cfg.train.eval_batches):
         x, y = dataset.batch(i, cfg.train.batch_size // cfg.train.grad_accum)
         with autocast():
-            total += model(x.to(device), y.to(device)).float()
+            total += model(x.to(d.device), y.to(d.device)).float()
     model.train()
-    return total.item() / cfg.train.eval_batches
+    return d.all_reduce(total, "mean").item() / cfg.train.eval_batches
 
 
 def memory_gb(device) -> float:
@@ -129,79 +178,157 @@ def memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+def _prepare_data(cfg: Config, d: Dist) -> dict:
+    """Rank 0 prepares the token shards (cached); the others wait, then read meta.json. A folder of token
+    shards without a tokenizer (write_token_shards: tokens made elsewhere) is used as it is."""
+    data_dir = cfg.data.dir = data_dir_for(cfg)
+    premade = None
+    if not cfg.data.inputs and os.path.isfile(os.path.join(data_dir, "meta.json")):
+        meta = load_meta(data_dir)
+        premade = meta if meta.get("tokenizer") is None else None
+    if premade is not None:
+        return premade
+    if d.is_main:
+        meta = prepare(data_dir, cfg.data.inputs or None, vocab_size=cfg.data.vocab_size,
+                       tokenizer=cfg.data.tokenizer or None, val_fraction=cfg.data.val_fraction, seed=cfg.train.seed,
+                       progress=cfg.train.progress)
+    d.barrier()
+    if not d.is_main:
+        try:
+            meta = load_meta(data_dir)
+        except DataError as e:
+            raise DataError(f"{e} (rank 0 prepared {data_dir}: on several nodes data.dir must be on a shared "
+                            f"filesystem, or prepared on every node first with `tilewise prepare`)") from None
+    return meta
+
+
 def train(cfg: Config, *, resume: bool = False) -> dict:
-    """Run the training described by cfg; returns the summary (also written to summary.json)."""
+    """Run the training described by cfg; returns the summary (also written to summary.json by rank 0).
+
+    Under torchrun, an error on any rank is raised with the rank in its message (ConfigError, DataError,
+    CheckpointError) or announced on stderr as "rank N of W failed" before its traceback."""
+    d, ok = None, False
+    try:
+        d = init_distributed(cfg, resolve_device(cfg.train.device))
+        summary = _train(cfg, d, resume)
+        ok = True
+        return summary
+    except Exception as e:
+        rank = d.rank if d else int(os.environ.get("RANK", "0") or 0)
+        world = d.world_size if d else int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            raise
+        if isinstance(e, (ConfigError, DataError, CheckpointError)) and not str(e).startswith("rank "):
+            raise type(e)(f"rank {rank}: {e}") from e
+        print(f"tilewise: rank {rank} of {world} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        # After a failure with peers, the group is left to the process's exit: ending it could wait on them.
+        if d is not None and (ok or d.world_size == 1):
+            d.close()
+
+
+def _train(cfg: Config, d: Dist, resume: bool) -> dict:
     t0 = time.time()
     t = cfg.train
-    if t.batch_size % t.grad_accum:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not a multiple of train.grad_accum={t.grad_accum}")
-    device = resolve_device(t.device)
+    device = d.device
+    if t.batch_size % (d.world_size * t.grad_accum):
+        raise ConfigError(f"train.batch_size={t.batch_size} (the global batch) is not a multiple of world size "
+                          f"{d.world_size} x train.grad_accum {t.grad_accum} = {d.world_size * t.grad_accum}: "
+                          f"each rank reads batch_size // (world_size * grad_accum) rows per micro-batch")
     dtype = resolve_dtype(t.dtype, device)
-    torch.manual_seed(t.seed)
     run_dir = t.out_dir
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep)
-    if resume and ckpt.latest() is None:
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save, timeout_s=float(cfg.distributed.timeout_s))
+    resume_path = ckpt.latest() if resume else None
+    if resume and resume_path is None:
         raise ConfigError(f"--resume: no checkpoint under {run_dir}/checkpoints")
 
-    data_dir = cfg.data.dir = data_dir_for(cfg)
-    meta = prepare(data_dir, cfg.data.inputs or None, vocab_size=cfg.data.vocab_size,
-                   tokenizer=cfg.data.tokenizer or None, val_fraction=cfg.data.val_fraction, seed=t.seed,
-                   progress=t.progress)
+    meta = _prepare_data(cfg, d)
+    data_dir = cfg.data.dir
     prepare_s = time.time() - t0
     real_vocab = meta["vocab_size"]
     pad = cfg.model.pad_vocab_to
     cfg.model.vocab_size = -(-real_vocab // pad) * pad
     seq = cfg.model.seq_len
-    train_set = TokenDataset(data_dir, "train", seq, seed=t.seed)
-    val_set = TokenDataset(data_dir, "val", seq, seed=t.seed)
+    train_set = TokenDataset(data_dir, "train", seq, seed=t.seed, rank=d.rank, world_size=d.world_size)
+    val_set = TokenDataset(data_dir, "val", seq, seed=t.seed, rank=d.rank, world_size=d.world_size)
     unigram = unigram_val_loss(data_dir)
 
+    torch.manual_seed(t.seed)    # the same initial weights on every rank
     model = GPT(cfg.model).to(device)
+    params, flops_per_token = model.num_params(), model.flops_per_token()
+    fp8_state = None
+    if cfg.fp8.recipe != "off":
+        from .fp8 import convert_to_fp8, recipe_from_config
+        try:
+            recipe = recipe_from_config(cfg.fp8)
+        except ValueError as e:
+            raise ConfigError(f"fp8: {e}") from None
+        # The head matmul runs inside the fused cross-entropy, never through lm_head's forward.
+        fp8_state = convert_to_fp8(model, recipe, skip=lambda name: name.endswith("lm_head"))
+    model = parallelize(model, cfg, d, dtype)
     optimizer = make_optimizer(model, cfg, device)
+    micro = t.batch_size // t.grad_accum          # rows of one micro-batch, over all ranks
     start_step, start_batch = 0, 0
     if resume:
-        tensors, state = ckpt.load()
-        restore_training_tensors({k: v.to(device) if k.startswith(("model.", "optim.")) else v
-                                  for k, v in tensors.items()}, model, optimizer)
-        start_step, start_batch = state["step"], state["data"]["next_batch"]
-    step_model = torch.compile(model) if t.compile else model
+        state = restore(ckpt, resume_path, model, optimizer, fp8_state, d, t.seed)
+        start_step = state["step"]
+        data = state["data"]
+        rows = data["next_batch"] * data.get("batch_rows", micro)
+        if rows % micro:
+            raise ConfigError(f"--resume: the checkpoint stops after {rows} rows, not a whole number of micro-batches "
+                              f"of {micro} rows (train.batch_size // train.grad_accum); use the saved grad_accum")
+        start_batch = rows // micro
+    else:
+        torch.manual_seed(rank_seed(t.seed, d.rank, 0))
+    sharded = d.strategy in ("fsdp", "hsdp")     # their blocks are compiled one by one in parallelize
+    step_model = torch.compile(model) if t.compile and not sharded else model
     autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
 
-    os.makedirs(run_dir, exist_ok=True)
-    write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
-    if resume:  # keep the records up to the checkpoint; the steps after it are run again
-        _truncate_metrics(run_dir, start_step)
-    metrics = Metrics(run_dir, total_steps=t.max_steps, start_step=start_step, progress=t.progress, append=resume)
-    params = model.num_params()
+    if d.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
+        if resume:  # keep the records up to the checkpoint; the steps after it are run again
+            _truncate_metrics(run_dir, start_step)
+    metrics = Metrics(run_dir, enabled=d.is_main, total_steps=t.max_steps, start_step=start_step,
+                      progress=t.progress, append=resume)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    where = f"{d.world_size} ranks ({d.strategy}), {device.type}" if d.world_size > 1 else f"device {device}"
     metrics.print(f"tilewise: {params / 1e6:.2f}M parameters, vocab {real_vocab} (padded {cfg.model.vocab_size}), "
-                  f"{train_set.num_tokens:,} train tokens, device {device}, {str(dtype).replace('torch.', '')}")
+                  f"{train_set.num_tokens:,} train tokens, {where}, {str(dtype).replace('torch.', '')}"
+                  f"{', fp8 ' + cfg.fp8.recipe if fp8_state is not None else ''}")
 
-    micro = t.batch_size // t.grad_accum
     tokens_per_step = t.batch_size * seq
     loader = Prefetcher(train_set, micro, device, start_batch=start_batch)
     loss_sum = torch.zeros((), device=device)
     val_loss = None
     last_time, last_step, wait_ms = time.time(), start_step, 0.0
     train_time = 0.0
+    failed = True
     try:
         for step in range(start_step, t.max_steps):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            for _ in range(t.grad_accum):
+            for k in range(t.grad_accum):
                 x, y = loader.next()
                 wait_ms += loader.data_wait_ms
-                with autocast():
-                    loss = step_model(x, y)
-                (loss / t.grad_accum).backward()
+                with sync_context(model, k == t.grad_accum - 1):
+                    with autocast():
+                        loss = step_model(x, y)
+                    (loss / t.grad_accum).backward()
                 loss_sum += loss.detach() / t.grad_accum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if fp8_state is not None:
+                fp8_state.step()   # max-reduce this step's amaxes over the ranks, new scales, FP8 weights recast
             done = step + 1
             is_eval = done % t.eval_every == 0 or done == t.max_steps
             if done % t.log_every == 0 or is_eval:
+                grad_norm = full_value(grad_norm)
+                d.all_reduce(loss_sum, "mean")
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.time()
@@ -211,25 +338,30 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 tokens_per_s = steps * tokens_per_step / elapsed
                 record = {"step": done, "loss": loss_sum.item() / steps, "lr": lr, "grad_norm": grad_norm.item(),
                           "tokens_per_s": tokens_per_s,
-                          "mfu": model.flops_per_token() * tokens_per_s / peak if peak else None,
+                          "mfu": flops_per_token * tokens_per_s / (peak * d.world_size) if peak else None,
                           "step_ms": 1000 * elapsed / steps, "data_wait_ms": wait_ms / steps,
                           "mem_gb": memory_gb(device)}
                 if is_eval:
-                    val_loss = evaluate(step_model, val_set, cfg, device, autocast)
+                    val_loss = evaluate(step_model, val_set, cfg, d, autocast)
                     record["val_loss"] = val_loss
                 metrics.log(record)
                 loss_sum.zero_()
                 wait_ms = 0.0
                 last_step, last_time = done, time.time()  # evaluation time is not training time
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.max_steps:
-                _save(ckpt, done, model, optimizer, loader, cfg)
+                _save(ckpt, done, model, optimizer, fp8_state, loader, micro, cfg)
         if start_step < t.max_steps:
-            _save(ckpt, t.max_steps, model, optimizer, loader, cfg)
+            _save(ckpt, t.max_steps, model, optimizer, fp8_state, loader, micro, cfg)
+        ckpt.close()   # the last save is committed before the run counts as done
+        failed = False
     finally:
         loader.close()
         metrics.close()
+        if failed:   # the error in flight is the one to report, not a save that cannot finish without a peer
+            with contextlib.suppress(Exception):
+                ckpt.close()
     if val_loss is None:
-        val_loss = evaluate(step_model, val_set, cfg, device, autocast)
+        val_loss = evaluate(step_model, val_set, cfg, d, autocast)
 
     steps_run = t.max_steps - start_step
     summary = {
@@ -237,18 +369,22 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         "tokens_seen": t.max_steps * tokens_per_step, "steps": t.max_steps, "params": params,
         "wall_s": time.time() - t0, "prepare_s": prepare_s, "train_s": train_time,
         "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else None,
-        "mfu": (model.flops_per_token() * steps_run * tokens_per_step / train_time / peak) if peak and train_time else None,
+        "mfu": (flops_per_token * steps_run * tokens_per_step / train_time / (peak * d.world_size))
+        if peak and train_time else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world_size": d.world_size, "strategy": d.strategy,
         "peak_mem_gb": memory_gb(device),
     }
-    write_json(os.path.join(run_dir, "summary.json"), summary)
-    plot_losses(run_dir)
-    return summary
+    if d.is_main:
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+        plot_losses(run_dir)
+    return {**summary, "rank": d.rank}
 
 
-def _save(ckpt: Checkpointer, step: int, model, optimizer, loader, cfg: Config) -> None:
-    state = {"data": loader.state_dict(), "config": cfg.to_dict()}
-    ckpt.save(step, training_tensors(model, optimizer), state)
+def _save(ckpt: Checkpointer, step: int, model, optimizer, fp8_state, loader, micro: int, cfg: Config) -> None:
+    """Every rank calls this: each writes its shard. The data position counts micro-batches of `micro` rows."""
+    state = {"data": {**loader.state_dict(), "batch_rows": micro}, "config": cfg.to_dict()}
+    ckpt.save(step, training_tensors(model, optimizer, fp8_state), state)
 
 
 def _truncate_metrics(run_dir: str, step: int) -> None:
