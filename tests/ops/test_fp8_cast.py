@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tilewise import ops
-from tilewise.ops.fp8_cast import (FP8_MAX, fp8_cast, fp8_cast_current, fp8_cast_current_reference,
+from tilewise.ops import fp8_cast as fp8_cast_module
+from tilewise.ops.fp8_cast import (FP8_MAX, fallbacks, fp8_cast, fp8_cast_current, fp8_cast_current_reference,
                                    fp8_cast_reference)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -190,25 +191,123 @@ def test_bad_arguments_raise():
         fp8_cast_current(x, torch.float8_e4m3fn, one, margin=-1)
 
 
+def run_tiles(x, fp8_dtype, scale, tiles, current, margin=0):
+    """The cast with fixed tiles, run in turn on the same buffers as the autotuner's timing runs do.
+    Returns (y, y_t, col_sums, amax, scales); outputs start as NaN."""
+    M, N = x.shape
+    dev = x.device
+    y, yt = nan_fp8((M, N), fp8_dtype, dev), nan_fp8((N, M), fp8_dtype, dev)
+    sums = torch.full((N,), float("nan"), device=dev)
+    amax = torch.zeros(1, device=dev)
+    scratch = torch.zeros(3, device=dev)  # [amax bits of the amax pass, scale, 1/scale]
+    if current:
+        assert fp8_cast_module._launch_amax(x, scratch[:1].view(torch.int32))
+    assert fp8_cast_module._launch_cast(x, y, yt, scale, scratch[:1].view(torch.int32) if current else None,
+                                        scratch[1:] if current else None, amax.view(torch.int32), sums, fp8_dtype,
+                                        margin, current, tiles=tiles)
+    return y, yt, sums, amax, scratch[1:]
+
+
+def mismatch(a, b):
+    """'' when the FP8 tensors are bit-identical, else how many bytes differ and the first one."""
+    diff = bits(a) != bits(b)
+    if not diff.any():
+        return ""
+    idx = tuple(int(i) for i in diff.nonzero()[0])
+    return f"{int(diff.sum())} of {diff.numel()} differ, first at {idx}: {a[idx].float().item()} vs {b[idx].float().item()}"
+
+
+def check_tiles(x, fp8_dtype, tiles, current):
+    """Problems (strings) of one run_tiles against the reference and float64."""
+    scale = torch.tensor([37.5], device=x.device)
+    y, yt, sums, amax, scales = run_tiles(x, fp8_dtype, scale, tiles, current, margin=1 if current else 0)
+    if current:
+        yr, ytr, sr = fp8_cast_current_reference(x, fp8_dtype, scale, margin=1, transpose=True)
+    else:
+        (yr, ytr), sr = fp8_cast_reference(x, fp8_dtype, scale, transpose=True), None
+    want = x.double().sum(0)
+    err = ((sums.double() - want).norm() / want.norm()).item()
+    problems = []
+    for name, a, b in (("y", y, yr), ("y_t", yt, ytr)):
+        if mismatch(a, b):
+            problems.append(f"{name} bits: {mismatch(a, b)}")
+    if not err < 1e-6:
+        problems.append(f"col_sums rel err {err:.3g} (want < 1e-6)")
+    if amax.item() != x.float().abs().max().item():
+        problems.append(f"amax {amax.item()} vs {x.float().abs().max().item()}")
+    if sr is not None and not torch.equal(scales, sr):
+        problems.append(f"scales {scales.tolist()} vs {sr.tolist()}")
+    return problems
+
+
+@pytest.mark.parametrize("current", [False, True])
+def test_autotuner_reruns_with_other_tiles_leave_the_right_result(current, device):
+    """The autotuner times every config on the real buffers. Column-sum partials laid out per tile gave a
+    wrong bias gradient on the H200 (rows a smaller tile wrote stayed for the larger winner to add twice);
+    the partials now hang off 32-row blocks, so any sequence of tiles leaves the same correct values."""
+    x = torch.randn(200, 40, device=device, dtype=torch.bfloat16) * 3  # 200 rows: 7 blocks of 32, one partial
+    problems = []
+    for tiles in ([(32, 32, 4), (64, 32, 4)], [(128, 32, 4), (32, 32, 4), (64, 32, 4)]):
+        problems += [f"tiles {tiles}: {p}" for p in check_tiles(x, torch.float8_e4m3fn, tiles, current)]
+    assert not problems, "; ".join(problems)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The H200: real sizes, the autotuned kernel. Each test gathers every measurement and fails once with
+# all of them, so one log line tells what went wrong and by how much.
+# ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("shape", [(16384, 768), (4096, 14336), (8192, 2048), (1000, 3000)])
 def test_gpu_kernel_matches_reference(fp8_dtype, shape):
+    M, N = shape
+    torch.manual_seed(0)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
     x[17, 5] = float("nan")
     scale = torch.tensor([37.5], device="cuda")
-    M, N = shape
+    problems = []
     amax = torch.zeros(1, device="cuda")
     y, yt = fp8_cast(x, fp8_dtype, scale, amax=amax, transpose=True, out=nan_fp8((M, N), fp8_dtype, "cuda"),
                      out_t=nan_fp8((N, M), fp8_dtype, "cuda"))
     yr, ytr = fp8_cast_reference(x, fp8_dtype, scale, transpose=True)
-    assert torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))
-    assert math.isnan(amax.item())
+    for name, a, b in (("delayed y", y, yr), ("delayed y_t", yt, ytr)):
+        if mismatch(a, b):
+            problems.append(f"{name} bits: {mismatch(a, b)}")
+    if not math.isnan(amax.item()):
+        problems.append(f"amax with a NaN in x is {amax.item()}, not NaN")
     x[17, 5] = 1.0
-    sums = torch.full((N,), float("nan"), device="cuda")
-    fp8_cast(x, fp8_dtype, scale, col_sums=sums)
     want = x.double().sum(0)
-    assert ((sums.double() - want).norm() / want.norm()).item() < 1e-6
-    y, yt, s = fp8_cast_current(x, fp8_dtype, scale, margin=1, transpose=True)
+    for transpose in (False, True):  # the bias gradient: alone, and with the copies Fp8Linear's dy cast makes
+        sums = torch.full((N,), float("nan"), device="cuda")
+        fp8_cast(x, fp8_dtype, scale, transpose=transpose, col_sums=sums)
+        err = ((sums.double() - want).norm() / want.norm()).item()
+        if not err < 1e-6:
+            problems.append(f"col_sums (transpose={transpose}) rel err {err:.3g} (want < 1e-6)")
+    sums = torch.full((N,), float("nan"), device="cuda")
+    y, yt, s = fp8_cast_current(x, fp8_dtype, scale, margin=1, transpose=True, col_sums=sums)
     yr, ytr, sr = fp8_cast_current_reference(x, fp8_dtype, scale, margin=1, transpose=True)
-    assert torch.equal(s, sr) and torch.equal(bits(y), bits(yr)) and torch.equal(bits(yt), bits(ytr))
+    if not torch.equal(s, sr):
+        problems.append(f"current scales {s.tolist()} vs reference {sr.tolist()}")
+    for name, a, b in (("current y", y, yr), ("current y_t", yt, ytr)):
+        if mismatch(a, b):
+            problems.append(f"{name} bits: {mismatch(a, b)}")
+    err = ((sums.double() - want).norm() / want.norm()).item()
+    if not err < 1e-6:
+        problems.append(f"current col_sums rel err {err:.3g} (want < 1e-6)")
+    if fallbacks():
+        problems.append(f"kernels replaced by slower paths: {fallbacks()}")
+    assert not problems, f"{shape} {fp8_dtype}: " + "; ".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("current", [False, True])
+@pytest.mark.parametrize("shape", [(1000, 3000), (16384, 768)])
+def test_gpu_every_config_and_autotuner_reruns(current, shape):
+    """Each autotuner config alone, then all of them in turn on the same buffers (what autotuning does)."""
+    torch.manual_seed(1)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in fp8_cast_module._CAST_CONFIGS]
+    problems = []
+    for run in [[t] for t in tiles] + [tiles, tiles[::-1]]:
+        problems += [f"tiles {run}: {p}" for p in check_tiles(x, torch.float8_e4m3fn, run, current)]
+    assert not problems, f"{shape} current={current}: " + "; ".join(problems)

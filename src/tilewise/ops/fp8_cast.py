@@ -5,21 +5,28 @@ tile grid reads x once and writes y (row-major), y^T (the operand layout the wei
 or both, and folds max|x| into a float32 amax with an int32 atomic max on its bits: for non-negative
 floats, and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach
 the scale update, which then skips them.
-Optionally the same pass sums x's columns (the bias gradient when x is dy), per tile into a small
-partials buffer that one torch.sum reduces: deterministic, no float atomics.
+Optionally the same pass sums x's columns (the bias gradient when x is dy) over blocks of 32 rows into a
+(rows/32, cols) fp32 partials buffer that one torch.sum reduces: deterministic, no float atomics. The
+partials' layout does not depend on the tile size, so the autotuner's reruns with other tiles (which write
+into the same buffer) leave the same values in every slot; a per-tile layout left stale partials there.
 Bytes, delayed scaling: read 2 (bf16) or 4 (fp32) per element, write 1 per copy. Current scaling needs
 this step's amax before it can scale, so it first runs an amax pass (a second read of x); the cast
 kernel then derives scale = fp8_max / amax / 2^margin on the device, falling back to the given scale
 when amax is 0, inf or NaN. Nothing here synchronizes with the host.
+A kernel variant that does not compile on the machine at hand falls back to a path computing the same
+function (warned once, listed by fallbacks()), so a Triton upgrade degrades speed, never results.
 """
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
+import triton.compiler.errors
 import triton.language as tl
+import triton.runtime.errors
 import triton.testing
 
 from .dispatch import use_triton
@@ -74,7 +81,7 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
                      fp8_max, inv_margin,
                      CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
                      ACC_AMAX: tl.constexpr, COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                     EMIN: tl.constexpr, MBITS: tl.constexpr,
+                     EMIN: tl.constexpr, MBITS: tl.constexpr, SUB_M: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -117,16 +124,23 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
         tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    if COL_SUMS:  # this tile's column sums in row pid_m of a partials buffer (the bias gradient, fused)
-        tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
+    if COL_SUMS:  # column sums of each SUB_M-row block of the tile: partials row = global row // SUB_M
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
+        part = tl.sum(tl.reshape(x, [SUBS, SUB_M, BLOCK_N]), axis=1)
+        rows = pid_m * SUBS + tl.arange(0, SUBS)
+        n_parts = (M + SUB_M - 1) // SUB_M
+        tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
+                 mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
 
 
 _CAST_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
     for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4))
 ]
-_MIN_BLOCK_M = 32  # of the configs and of the interpreter's tile: sizes the column-sum partials
-# Autotuning reruns the kernel: harmless, every side effect (stores, atomic max) is idempotent. Short
+_SUB_M = 32  # rows per column-sum partial; divides every config's BLOCK_M and the interpreter's tile
+assert all(c.kwargs["BLOCK_M"] % _SUB_M == 0 for c in _CAST_CONFIGS)
+# Autotuning reruns the kernel with every config on the real buffers: harmless only because every side
+# effect is idempotent and tile-independent (the stores, the atomic max, the column-sum partials). Short
 # timing runs (5 + 20 ms a config): a memory-bound kernel of 10-300 us is measured often enough in that.
 _fp8_cast_kernel_tuned = triton.autotune(
     _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"],
@@ -146,42 +160,105 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_amax(x, amax_i32):
+# Kernel variants that failed to compile on this machine (another Triton, another GPU): key -> reason. The
+# casts then take a path that computes the same function (the fused column sums become a torch.sum; a
+# whole kernel becomes the PyTorch reference), warn once, and the gpu tests and bench/fp8.py report them.
+# Only compilation failures are caught, never errors of a kernel that ran.
+_FALLBACKS: dict = {}
+_COMPILE_ERRORS = tuple(e for e in (getattr(triton.compiler.errors, "CompilationError", None),
+                                    getattr(triton.runtime.errors, "OutOfResources", None),
+                                    getattr(triton.runtime.errors, "PTXASError", None),
+                                    getattr(triton.runtime.errors, "AutotunerError", None)) if isinstance(e, type))
+
+
+def fallbacks() -> dict:
+    """{kernel variant: why it did not compile} for every FP8 cast kernel replaced by a slower path here."""
+    return {name: why for name, why in _FALLBACKS.values()}
+
+
+def _compiled(key, launch) -> bool:
+    """launch() on the GPU; False, with a warning once, when the kernel does not compile here."""
+    if key in _FALLBACKS:
+        return False
+    try:
+        launch()
+        return True
+    except Exception as e:  # noqa: BLE001 - filtered just below
+        # MLIR pass failures surface as a RuntimeError naming the PassManager
+        if not (isinstance(e, _COMPILE_ERRORS) or (isinstance(e, RuntimeError) and "PassManager" in str(e))):
+            raise
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
+        name = "_amax_kernel" if key == "amax" else "_fp8_cast_kernel(" + ", ".join(
+            f"{k}={v}" for k, v in zip(("CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"), key)) + ")"
+        _FALLBACKS[key] = (name, why)
+        warnings.warn(f"tilewise.ops.fp8_cast: {name} did not compile ({why}); using a slower path",
+                      RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _on_gpu(x) -> bool:
+    return x.is_cuda and not _interpreting()
+
+
+def _launch_amax(x, amax_i32) -> bool:
     numel = x.numel()
-    if x.is_cuda and not _interpreting():
+    if _on_gpu(x):
         block, warps = 4096, 8
         progs = min(triton.cdiv(numel, block), 4 * _num_sms(x.device.index or 0))
-    else:
-        block, warps = 1024, 4
-        progs = min(triton.cdiv(numel, block), 4)
-    _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=block, num_warps=warps)
+        return _compiled("amax", lambda: _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=block, num_warps=warps))
+    progs = min(triton.cdiv(numel, 1024), 4)
+    _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=1024, num_warps=4)
+    return True
 
 
-def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current):
+def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current,
+                 tiles=None) -> bool:
+    """One pass of _fp8_cast_kernel; False when it does not compile here (the caller takes the reference).
+
+    tiles: [(BLOCK_M, BLOCK_N, num_warps), ...] replaces the autotuner: each runs in turn on the same
+    buffers, as the autotuner's timing runs do (the tests check that this leaves the right result).
+    """
     M, N = x.shape
     if M * N >= 2 ** 31:  # the kernels index in int32
         raise ValueError(f"fp8 cast: x is {M} x {N}; at most 2^31 - 1 elements are supported")
     emin, mbits = _FP8_GRID[fp8_dtype]
     dummy = yt if yt is not None else y
-    # Partials for every row block of the smallest tile; rows a larger tile leaves unwritten stay zero.
-    partials = torch.zeros(triton.cdiv(M, _MIN_BLOCK_M), N, dtype=torch.float32, device=x.device) \
-        if col_sums is not None else None
-    args = (x, y if y is not None else dummy, yt if yt is not None else dummy, M, N,
-            scale, amax_in if amax_in is not None else scale,
-            scale_out if scale_out is not None else scale,
-            amax_acc if amax_acc is not None else scale.view(torch.int32),
-            partials if partials is not None else scale,
-            FP8_MAX[fp8_dtype], 2.0 ** -margin)
     flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_acc is not None,
-                 COL_SUMS=partials is not None, EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits)
-    if x.is_cuda and not _interpreting():
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
-        _fp8_cast_kernel_tuned[grid](*args, **flags)
-    else:
-        bm = bn = 32
-        _fp8_cast_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, **flags, BLOCK_M=bm, BLOCK_N=bn)
-    if partials is not None:
+                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M)
+    if tiles is None and not _on_gpu(x):
+        tiles = [(32, 32, 4)]
+    direct = tiles is not None  # fixed tiles: no autotuner and no compile guard
+
+    def launch(partials):
+        args = (x, y if y is not None else dummy, yt if yt is not None else dummy, M, N,
+                scale, amax_in if amax_in is not None else scale,
+                scale_out if scale_out is not None else scale,
+                amax_acc if amax_acc is not None else scale.view(torch.int32),
+                partials if partials is not None else scale,
+                FP8_MAX[fp8_dtype], 2.0 ** -margin)
+        if direct:
+            for bm, bn, warps in tiles:
+                _fp8_cast_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                    *args, **flags, COL_SUMS=partials is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        else:
+            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+            _fp8_cast_kernel_tuned[grid](*args, **flags, COL_SUMS=partials is not None)
+        return True
+
+    key = (current, y is not None, yt is not None, amax_acc is not None)
+    if col_sums is None:
+        return launch(None) if direct else _compiled(key + (False,), lambda: launch(None))
+    # Every SUB_M-row block's partial is written, whatever the tile: no zero fill needed.
+    partials = torch.empty(triton.cdiv(M, _SUB_M), N, dtype=torch.float32, device=x.device)
+    if launch(partials) if direct else _compiled(key + (True,), lambda: launch(partials)):
         torch.sum(partials, dim=0, out=col_sums)
+        return True
+    # the fused column sums did not compile here: the cast alone, then a second read of x for the sums
+    if not _compiled(key + (False,), lambda: launch(None)):
+        return False
+    torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,9 +343,9 @@ def fp8_cast_current(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwi
 # on every step; the checks above cost more host time than the launch).
 def cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out=None, out_t=None, col_sums=None):
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
-    if use_triton(x) and x.numel() > 0:
-        _launch_cast(x.contiguous(), y, yt, scale, None, None, amax.view(torch.int32) if amax is not None else None,
-                     col_sums, fp8_dtype, 0, current=False)
+    if use_triton(x) and x.numel() > 0 and _launch_cast(
+            x.contiguous(), y, yt, scale, None, None, amax.view(torch.int32) if amax is not None else None,
+            col_sums, fp8_dtype, 0, current=False):
         return y, yt
     return fp8_cast_reference(x, fp8_dtype, scale, amax=amax, rowwise=rowwise, transpose=transpose, out=y, out_t=yt,
                               col_sums=col_sums)
@@ -278,12 +355,12 @@ def cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose,
                  col_sums=None):
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
     if use_triton(x) and x.numel() > 0:
-        x = x.contiguous()
+        xc = x.contiguous()
         scratch = torch.zeros(3, dtype=torch.float32, device=x.device)  # [amax bits, scale, 1/scale]
-        _launch_amax(x, scratch[:1].view(torch.int32))
-        _launch_cast(x, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[1:],
-                     amax.view(torch.int32) if amax is not None else None, col_sums, fp8_dtype, margin, current=True)
-        return y, yt, scratch[1:]
+        if _launch_amax(xc, scratch[:1].view(torch.int32)) and _launch_cast(
+                xc, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[1:],
+                amax.view(torch.int32) if amax is not None else None, col_sums, fp8_dtype, margin, current=True):
+            return y, yt, scratch[1:]
     return fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin, amax=amax, rowwise=rowwise,
                                       transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
 
