@@ -13,6 +13,9 @@ pre-cast operands vs bf16 mm), the fused cast kernel's GB/s against a device cop
 host time per iteration (launch overhead). Outputs are checked against an fp32 GEMM before timing.
 
     PYTHONPATH=src python3 bench/fp8.py --out DIR [--quick]
+
+It stays within --budget-s (200 s; torchao's compiles stop at 60% of it, later shapes are skipped past it,
+both recorded), prints the main table last, and takes the commit from git or else $TILEWISE_COMMIT.
 """
 from __future__ import annotations
 
@@ -46,20 +49,23 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="also write fp8.json into this folder")
     p.add_argument("--quick", action="store_true", help="one shape per model size")
     p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
-    p.add_argument("--budget-s", type=float, default=150.0,
-                   help="past this many seconds, torchao (slow to compile) is skipped for the remaining shapes")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="time budget: past 60%% of it torchao (slow to compile) is skipped for the remaining "
+                        "shapes, past all of it the remaining shapes are skipped (both recorded)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (the benchmark) or cpu (a smoke run of the script: dims / 16, 64 tokens, host timer)")
     return p.parse_args(argv)
 
 
 def git_commit():
+    """HEAD of the checkout, else $TILEWISE_COMMIT (a copied tree without .git), else None."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        sha = ""
+    return sha or os.environ.get("TILEWISE_COMMIT") or None
 
 
 def load_torchao():
@@ -259,6 +265,8 @@ def main(argv=None):
         return 2
     import triton
     from triton.testing import do_bench
+
+    from tilewise.ops.fp8_cast import fallbacks
     if args.device == "cpu":
         do_bench = host_bench
 
@@ -266,16 +274,25 @@ def main(argv=None):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     start = time.time()
-    over_budget = lambda: time.time() - start > args.budget_s
+    over_budget = lambda: time.time() - start > 0.6 * args.budget_s  # for torchao's compiles
     convert_torchao, torchao_why = load_torchao()
     shapes = QUICK if args.quick else SHAPES
     if args.device == "cpu":
         shapes, args.tokens = [(m, k // 16, n // 16) for m, k, n in QUICK], 64
     copy_gbps = copy_bandwidth(do_bench, args.device)
-    rows, gemm_rows, cast_rows = [], [], []
+    rows, gemm_rows, cast_rows, skipped, failed = [], [], [], [], []
     for model, K, N in shapes:
-        row, grow, crows = bench_shape(model, K, N, args.tokens, args, do_bench, convert_torchao, torchao_why,
-                                       over_budget)
+        if time.time() - start > args.budget_s:
+            skipped.append(f"{model} {K}->{N}")
+            continue
+        try:
+            row, grow, crows = bench_shape(model, K, N, args.tokens, args, do_bench, convert_torchao, torchao_why,
+                                           over_budget)
+        except Exception as e:  # one broken shape (OOM, a kernel error) must not lose the others' results
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            failed.append(f"{model} {K}->{N}: {type(e).__name__}: {first}")
+            print(f"  {failed[-1]}", flush=True)
+            continue
         rows.append(row)
         gemm_rows.append(grow)
         for c in crows:
@@ -283,7 +300,8 @@ def main(argv=None):
         cast_rows += crows
         print(f"  {model} {K}->{N}: tilewise {fmt(row['tilewise'])}, bf16 {fmt(row['bf16'])}, "
               f"torchao {fmt(row['torchao'])} TFLOP/s ({time.time() - start:.0f} s)", flush=True)
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     step_us = state_step_us(do_bench, args.device)
 
     eight = [r["ratio_bf16"] for r in rows if r["shape"]["model"] == "8b" and r["ratio_bf16"]]
@@ -296,6 +314,8 @@ def main(argv=None):
                     "min_ratio_torchao": min(vs_ao) if vs_ao else None,
                     "torchao_rows": len(vs_ao), "rows": len(rows)},
         "command": "PYTHONPATH=src python3 bench/fp8.py" + (" --quick" if args.quick else ""),
+        "skipped_shapes_time_budget": skipped, "failed_shapes": failed, "cast_kernel_fallbacks": fallbacks(),
+        "seconds": round(time.time() - start, 1),
         "rows": [{k: v for k, v in r.items() if k != "detail"} for r in rows + gemm_rows + cast_rows],
         # per-row detail (times in ms, host time per iteration, errors vs fp32, notes), in row order
         "details": [r["detail"] for r in rows + gemm_rows + cast_rows],
@@ -310,8 +330,25 @@ def main(argv=None):
         except OSError as e:
             print(f"bench/fp8.py: could not write {d}/fp8.json: {e}", file=sys.stderr)
 
-    print(f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, tokens {args.tokens}; "
-          f"copy {copy_gbps:.0f} GB/s; Fp8State.step (144 tensors) {step_us:.0f} us")
+    print(f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
+          f"tokens {args.tokens}, {result['seconds']:.0f} s; copy {copy_gbps:.0f} GB/s; "
+          f"Fp8State.step (144 tensors) {step_us:.0f} us")
+    if skipped:
+        print(f"skipped for the time budget: {', '.join(skipped)}")
+    for f in failed:
+        print(f"failed: {f}")
+    if result["cast_kernel_fallbacks"]:
+        print(f"cast kernels that did not compile (slower paths used): {result['cast_kernel_fallbacks']}")
+    print("\ncast kernel (copy + transposed copy + amax), GB/s (fraction of copy)")
+    for c in cast_rows:
+        s = c["shape"]
+        print(f"  {s['rows']}x{s['cols']:<6} {s['op']:<48} {c['tilewise']:7.0f} ({c['copy_fraction']:.2f})")
+    for r in rows:
+        for k, v in r["detail"]["notes"].items():
+            print(f"note {r['shape']['model']} {r['shape']['in']}->{r['shape']['out']} {k}: {v}")
+    t = result["targets"]
+    print(f"targets: 8B-class vs bf16 min {fmt(t['min_ratio_bf16_8b'], 2)} (goal 1.3); "
+          f"vs torchao min {fmt(t['min_ratio_torchao'], 2)} over {t['torchao_rows']}/{t['rows']} shapes (goal > 1)")
     print("\nforward + backward, TFLOP/s (ms); host us/iter")
     hdr = f"{'model':<10} {'in->out':>12} {'bf16':>12} {'torchao':>12} {'tilewise':>12} {'tw current':>12} " \
           f"{'x bf16':>7} {'x ao':>6} {'fp8 GEMMs':>10} {'overhead ms':>11}  host us (bf16/ao/tw)"
@@ -323,15 +360,6 @@ def main(argv=None):
               f"{cell('tilewise'):>12} {cell('tilewise_current'):>12} {fmt(r['ratio_bf16'], 2):>7} "
               f"{fmt(r['ratio_torchao'], 2):>6} {fmt(g['tilewise']):>10} {fmt(g.get('fp8_overhead_ms'), 3):>11}  "
               f"{fmt(h.get('bf16'))}/{fmt(h.get('torchao'))}/{fmt(h.get('tilewise'))}")
-        for k, v in r["detail"]["notes"].items():
-            print(f"{'':<10} note {k}: {v}")
-    print("\ncast kernel (copy + transposed copy + amax), GB/s (fraction of copy)")
-    for c in cast_rows:
-        s = c["shape"]
-        print(f"  {s['rows']}x{s['cols']:<6} {s['op']:<48} {c['tilewise']:7.0f} ({c['copy_fraction']:.2f})")
-    t = result["targets"]
-    print(f"\ntargets: 8B-class vs bf16 min {fmt(t['min_ratio_bf16_8b'], 2)} (goal 1.3); "
-          f"vs torchao min {fmt(t['min_ratio_torchao'], 2)} over {t['torchao_rows']}/{t['rows']} shapes (goal > 1)")
     return 0
 
 
