@@ -214,7 +214,8 @@ def mismatch(a, b):
     if not diff.any():
         return ""
     idx = tuple(int(i) for i in diff.nonzero()[0])
-    return f"{int(diff.sum())} of {diff.numel()} differ, first at {idx}: {a[idx].float().item()} vs {b[idx].float().item()}"
+    return (f"{int(diff.sum())} of {diff.numel()} differ, first at {idx}: "
+            f"{a[idx].float().item()} vs {b[idx].float().item()}")
 
 
 def check_tiles(x, fp8_dtype, tiles, current):

@@ -125,12 +125,14 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     if COL_SUMS:  # column sums of each SUB_M-row block of the tile: partials row = global row // SUB_M
-        SUBS: tl.constexpr = BLOCK_M // SUB_M
-        part = tl.sum(tl.reshape(x, [SUBS, SUB_M, BLOCK_N]), axis=1)
-        rows = pid_m * SUBS + tl.arange(0, SUBS)
-        n_parts = (M + SUB_M - 1) // SUB_M
-        tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
-                 mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
+        if BLOCK_M == SUB_M:  # one block: no reshape, no size-1 dimension
+            tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
+        else:
+            part = tl.sum(tl.reshape(x, [BLOCK_M // SUB_M, SUB_M, BLOCK_N]), axis=1)
+            rows = pid_m * (BLOCK_M // SUB_M) + tl.arange(0, BLOCK_M // SUB_M)
+            n_parts = (M + SUB_M - 1) // SUB_M
+            tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
+                     mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
 
 
 _CAST_CONFIGS = [
