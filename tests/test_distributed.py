@@ -143,6 +143,30 @@ def test_activation_checkpointing_repeats_dropout_and_losses(data_dir, tmp_path)
     assert [r["loss"] for r in ac] == pytest.approx([r["loss"] for r in plain], rel=RTOL)
 
 
+def test_activation_checkpointing_recomputes_each_block_in_backward():
+    from tilewise.config import ModelConfig
+    from tilewise.distributed import apply_activation_checkpointing
+    from tilewise.model import GPT
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, d_model=16))
+    calls = []
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda *_: calls.append(1))
+    idx = torch.randint(0, 64, (2, 9))
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    assert len(calls) == 3
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model)   # idempotent
+    calls.clear()
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    assert len(calls) == 6                  # each block's forward once more, in backward
+    assert "blocks.0.attn.qkv.weight" in dict(model.named_parameters())   # names unchanged
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+
+
 def test_config_errors_name_the_problem(data_dir, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"batch_size=12 .* world size 1 x train.grad_accum 5"):
         run_inprocess(data_dir, tmp_path / "a", **{"distributed.strategy": "fsdp", "train.grad_accum": 5})
@@ -278,6 +302,107 @@ def test_fp8_two_ranks_share_scales_and_follow_one_rank(data_dir, tmp_path):
     assert len({len(s) for s in logs[0]}) == 1 and logs[0][0] != logs[0][-1]   # scales moved, in step
     one, two = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# One GPU (the H200): every strategy in bf16 with the Triton kernels, then the torchrun launch
+# ------------------------------------------------------------------------------------------------
+
+GPU_VARIANTS = {   # name -> config overrides; numerics: "none" (fp32 master, autocast) or "bf16" (FSDP bf16 params)
+    "none": {},
+    "ddp": {"distributed.strategy": "ddp"},
+    "fsdp": {"distributed.strategy": "fsdp", "checkpoint.every": 10},
+    "fsdp_zero2_ac": {"distributed.strategy": "fsdp", "distributed.reshard_after_forward": "false",
+                      "distributed.activation_checkpointing": "true"},
+    "hsdp": {"distributed.strategy": "hsdp"},
+    "fsdp_offload": {"distributed.strategy": "fsdp", "distributed.cpu_offload": "true"},
+    "fsdp_fp8": {"distributed.strategy": "fsdp", "fp8.recipe": '"delayed"'},
+    "ddp_fp8": {"distributed.strategy": "ddp", "fp8.recipe": '"delayed"'},
+}
+
+
+def gpu_overrides(data_dir, out_dir, **extra):
+    """A 20M-parameter GPT-2 on 16 x 512 tokens, bf16 on the GPU."""
+    return tiny_overrides(data_dir, out_dir, **{
+        "model.n_layer": 4, "model.d_model": 512, "model.n_head": 8, "model.seq_len": 512, "model.pad_vocab_to": 64,
+        "train.batch_size": 16, "train.lr": 3e-3, "train.device": '"cuda"', "train.eval_every": 100,
+        "distributed.timeout_s": 300, **extra})
+
+
+@pytest.fixture(scope="module")
+def gpu_data_dir(tmp_path_factory):
+    """2M tokens over 8192 ids: Zipf-distributed tokens, each followed by its successor (a skewed unigram and a
+    bigram to learn)."""
+    rng = np.random.default_rng(1)
+    out = tmp_path_factory.mktemp("gpu") / "data"
+    n = 1 << 21
+    tokens = np.empty(n, np.int64)
+    tokens[0::2] = rng.zipf(1.3, n // 2) % 8191 + 1
+    tokens[1::2] = tokens[0::2] % 8191 + 1
+    tokens[rng.random(n) < 0.002] = 0
+    write_token_shards(str(out), {"train": tokens, "val": tokens[-(1 << 16):]}, vocab_size=8192, eot_id=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(gpu_data_dir, tmp_path_factory):
+    """Every variant in this process (one-rank NCCL groups), 20 steps each: name -> (run dir, records), or
+    name -> the error it raised (so one failing variant does not hide the others)."""
+    import shutil
+    import traceback
+    from tilewise.train import train
+    root = tmp_path_factory.mktemp("gpu_runs")
+    runs = {}
+    for name, extra in GPU_VARIANTS.items():
+        try:
+            summary = train(load_config("tiny", overrides=gpu_overrides(gpu_data_dir, root / name, **extra)))
+            assert summary["strategy"] == extra.get("distributed.strategy", "none")
+            runs[name] = (root / name, read_metrics(str(root / name)))
+        except Exception:
+            runs[name] = traceback.format_exc(limit=-6)
+        if name != "fsdp":   # keep only the checkpoints the resume test reads
+            shutil.rmtree(root / name / "checkpoints", ignore_errors=True)
+    return runs
+
+
+@pytest.mark.gpu
+def test_gpu_every_strategy_trains_and_agrees(gpu_runs):
+    failed = {name: run for name, run in gpu_runs.items() if isinstance(run, str)}
+    assert not failed, "\n".join(f"--- {name}:\n{tb}" for name, tb in failed.items())
+    losses = {name: [r["loss"] for r in records] for name, (_, records) in gpu_runs.items()}
+    for name, ls in losses.items():
+        assert len(ls) == STEPS and all(np.isfinite(ls)), (name, ls)
+        assert ls[-1] < ls[0] - 0.5, (name, ls[0], ls[-1])
+    # The same numerics give the same trajectory (rounding and kernel order aside)
+    for a, b in (("ddp", "none"), ("fsdp_zero2_ac", "fsdp"), ("hsdp", "fsdp"), ("fsdp_offload", "fsdp")):
+        assert losses[a] == pytest.approx(losses[b], rel=2e-3), (a, b)
+    # bf16 parameters under FSDP, FP8 matmuls: close to the fp32-master reference
+    for name, rel in (("fsdp", 0.02), ("fsdp_fp8", 0.05), ("ddp_fp8", 0.05)):
+        assert losses[name][-1] == pytest.approx(losses["none"][-1], rel=rel), name
+
+
+@pytest.mark.gpu
+def test_gpu_fsdp_resume(gpu_runs, gpu_data_dir, tmp_path):
+    from tilewise.train import train
+    assert not isinstance(gpu_runs["fsdp"], str), gpu_runs["fsdp"]
+    run, records = gpu_runs["fsdp"]
+    copy_checkpoint(run, 10, tmp_path / "run")
+    train(load_config("tiny", overrides=gpu_overrides(gpu_data_dir, tmp_path / "run", **GPU_VARIANTS["fsdp"])),
+          resume=True)
+    resumed = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in records[10:]], rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_torchrun_fsdp_one_process(gpu_data_dir, tmp_path):
+    """The launch users type: torchrun, NCCL through the env:// rendezvous, fsdp on one GPU."""
+    code, out, _ = torchrun(1, cli_args(gpu_overrides(gpu_data_dir, tmp_path / "run", **{
+        "distributed.strategy": "fsdp", "train.max_steps": 10})), timeout=300)
+    assert code == 0, out[-4000:]
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary["world_size"] == 1 and summary["strategy"] == "fsdp" and summary["device"] != "cpu"
+    assert np.isfinite(summary["final_val_loss"])
 
 
 # ------------------------------------------------------------------------------------------------
