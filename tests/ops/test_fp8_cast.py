@@ -4,6 +4,9 @@ On CPU the Triton kernels run in the interpreter (small shapes); gpu-marked test
 sizes with the autotuned kernel.
 """
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -251,6 +254,40 @@ def test_autotuner_reruns_with_other_tiles_leave_the_right_result(current, devic
     for tiles in ([(32, 32, 4), (64, 32, 4)], [(128, 32, 4), (32, 32, 4), (64, 32, 4)]):
         problems += [f"tiles {tiles}: {p}" for p in check_tiles(x, torch.float8_e4m3fn, tiles, current)]
     assert not problems, "; ".join(problems)
+
+
+# Compiles (not runs) every autotuner config of the cast kernel, with the column sums and both scalings,
+# for sm_90 with the Triton at hand: Triton's own LLVM and ptxas, no GPU needed (TRITON_INTERPRET unset).
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tilewise.ops import fp8_cast as m
+target = GPUTarget("cuda", 90, 32)
+for c in m._CAST_CONFIGS:
+    for current in (False, True):
+        sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32",
+               "scale_ptr": "*fp32", "amax_in_ptr": "*i32" if current else "*fp32", "scale_out_ptr": "*fp32",
+               "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32", "inv_margin": "fp32"}
+        consts = dict(CURRENT=current, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True,
+                      EXACT_ROUND=False, EMIN=-6, MBITS=3, SUB_M=m._SUB_M, **c.kwargs)
+        triton.compile(ASTSource(m._fp8_cast_kernel, sig, consts), target=target, options={"num_warps": c.num_warps})
+triton.compile(ASTSource(m._amax_kernel, {"x_ptr": "*bf16", "numel": "i32", "amax_ptr": "*i32"}, {"BLOCK": 4096}),
+               target=target, options={"num_warps": 8})
+print("compiled", triton.__version__)
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"),
+                                         env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip("this Triton has no ptxas to compile for sm_90")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------------
