@@ -41,21 +41,22 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.con
 @triton.jit
 def _bias_gelu_bwd_kernel(DY, X, B, DX, DBp, M, N, n_tiles, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Row tiles pid, pid + programs, ... of column block pid1; the bias gradient summed per column."""
+    """Row tiles pid, pid + programs, ... of column block pid1, software-pipelined (NUM_STAGES - 1 tiles'
+    loads in flight); the bias gradient summed per column in registers, one row of partials a program."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if HAS_BIAS:
-        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < M)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        u = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if HAS_BIAS:
             u += b
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         u2 = u * u
         s = tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u2 * u))     # sigmoid(2z)
         dx = dy * (s + u * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 3.0 * 0.044715 * u2)))
@@ -115,22 +116,28 @@ def _bias_gelu_forward(x, bias, out_dtype):
     return y
 
 
+def _bias_gelu_bwd_tile(width: int) -> tuple[int, int, int]:
+    """Tiles of 1024 elements, 8 a thread (4 warps), at most 1024 columns wide; 4 pipeline stages."""
+    block_n = min(1024, max(16, triton.next_power_of_2(width)))
+    return max(1, 1024 // block_n), block_n, 4
+
+
 def _bias_gelu_backward(dy, x, bias):
-    """Returns dx and the fp32 bias gradient (empty without a bias)."""
+    """Returns dx and the fp32 bias gradient (empty without a bias). A persistent launch (one wave of
+    resident programs) over row tiles; dbias = the sum of the programs' partial rows."""
     M, N = x.shape
     has_bias = bias is not None
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if not dx.numel():
         return dx, torch.zeros(N if has_bias else 0, dtype=torch.float32, device=x.device)
-    bm, bn, warps = _tile(N)
+    bm, bn, warps = _bias_gelu_bwd_tile(N)
     n_tiles, n_col = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    dbp = torch.empty((1, N), dtype=torch.float32, device=x.device)
-    args = [dy, x, bias if has_bias else x, dx, dbp, M, N, n_tiles]
-    meta = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=2, num_warps=warps)
-    programs = n_tiles      # nothing to sum without a bias: one program a tile
-    if has_bias:
-        programs = resident_programs(_bias_gelu_bwd_kernel, args, meta, n_tiles, x.device, n_col)
-        args[4] = dbp = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
+    args = [dy, x, bias if has_bias else x, dx, torch.float32 if has_bias else dx, M, N, n_tiles]
+    meta = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=4, num_warps=warps, num_stages=4)
+    programs = resident_programs(_bias_gelu_bwd_kernel, args, meta, n_tiles, x.device, n_col)
+    dbp = torch.empty((programs if has_bias else 0, N), dtype=torch.float32, device=x.device)
+    args[4] = dbp if has_bias else dx
     _bias_gelu_bwd_kernel[(programs, n_col)](*args, **meta)
     return dx, (dbp.sum(0) if has_bias else dbp.new_empty(0))
 

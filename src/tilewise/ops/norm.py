@@ -1,29 +1,31 @@
 """Residual add + dropout + LayerNorm/RMSNorm: h = residual + dropout(x), y = norm(h) * weight (+ bias).
 
-Forward, one pass over rows. A tile is BLOCK_M whole rows (several when rows are narrow, so each step moves
-kilobytes); the program forms h in fp32, rounds it to the residual dtype and stores it, takes the fp32 mean
-and rstd of that stored h, and writes y. The dropout mask comes from Philox keyed by (seed, row, column),
-so the backward regenerates it and nothing is stored. Bytes: read x, residual and weight; write y and h,
-plus 8 bytes of statistics a row. Rows wider than _MAX_FWD_ROW go by chunks in two passes: statistics
-(Chan's merge of chunk means and squared deviations), then h and y, re-reading x and residual (from L2).
+Forward, one pass over rows. A tile is BLOCK_M whole rows (several when rows are narrow); the program forms
+h in fp32, rounds it to the residual dtype and stores it, takes the fp32 mean and rstd of that stored h,
+and writes y. The dropout mask comes from Philox keyed by (seed, row, column), so the backward regenerates
+it and nothing is stored. Bytes: read x, residual; write y, h; plus 8 bytes of statistics a row (weight
+and bias once per program). Rows wider than _MAX_ROW go one per program by chunks: the first pass writes h
+and merges chunk statistics (Chan's formula), the second reads h back (from L2) and writes y.
 
 Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
     dh = rstd * (g - mean(g) - hhat * mean(g * hhat)) + dh_in        (RMSNorm drops the mean(g) term)
     dresidual = dh,  dx = keep * dh / (1 - p),
 dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
-per column in registers over its row tiles and writes one fp32 row of partial sums; a small reduction over
-those rows (stage two) gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h and weight; write
-dx and dresidual (one tensor serves both when there is no dropout and the dtypes agree). Rows wider than
-_MAX_BWD_ROW: a per-row kernel takes mean(g) and mean(g * hhat) first, then the columns are split across
-programs.
+per column in registers over its row tiles and writes one fp32 row of partial sums; one small torch sum
+over those rows gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h; write dx (which is
+also dresidual when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel
+takes mean(g) and mean(g * hhat) first, then the columns are split across programs.
 
-Both row-tile kernels are persistent: as many programs as the GPU keeps resident (from the compiled
-kernel's registers and shared memory), each walking tiles pid, pid + programs, ... in a software-pipelined
-loop, so the next tile's loads are in flight while this one reduces and stores. The tile holds about eight
-fp32 values a thread, which keeps the sm_90 builds near 64 registers without spills.
+The row-tile kernels are persistent: exactly as many programs as the GPU keeps resident (the driver's
+occupancy figure for the compiled kernel), so there is one wave and no tail; each walks tiles pid,
+pid + programs, ... and loads the next tile into registers before working on this one (PREFETCH), so
+every program always has a tile's loads in flight. Plain loads, no shared-memory pipeline: a Triton
+num_stages pipeline issued the next tile's copies only after this tile's stores (checked in the sm_90
+PTX), which left each program idle for a full memory latency per tile.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,8 +36,7 @@ import triton.language as tl
 from .dispatch import use_triton
 
 NORM_KINDS = ("layernorm", "rmsnorm")
-_MAX_FWD_ROW = 16384    # widest row the forward keeps in registers
-_MAX_BWD_ROW = 8192     # the backward holds more per element (dy, h, dh_in, two column sums)
+_MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
 
 
 @triton.jit
@@ -58,14 +59,25 @@ def _keep_mask(seed, rows, col0, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _residual_sum(X, R, rows, offs_x, offs_r, mask, col0, seed, thr, scale,
-                  HAS_RES: tl.constexpr, HAS_DROP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES: tl.constexpr):
+    """x and residual of a tile, as stored."""
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    r = x
+    if HAS_RES:
+        r = tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    return x, r
+
+
+@triton.jit
+def _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES: tl.constexpr, HAS_DROP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """residual + dropout(x) of one tile, in fp32."""
-    h = tl.load(X + offs_x, mask=mask, other=0.0).to(tl.float32)
+    h = x.to(tl.float32)
     if HAS_DROP:
         h = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), h * scale, 0.0)
     if HAS_RES:
-        h += tl.load(R + offs_r, mask=mask, other=0.0).to(tl.float32)
+        h += r.to(tl.float32)
     return h
 
 
@@ -73,22 +85,22 @@ def _residual_sum(X, R, rows, offs_x, offs_r, mask, col0, seed, thr, scale,
 def _fwd_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Tiles of BLOCK_M whole rows held in registers; a persistent program walks tiles pid, pid + programs,
-    ..., its loop software-pipelined so the next tile's loads overlap this tile's reductions and stores."""
+    """Tiles of BLOCK_M whole rows in registers; program pid takes tiles pid, pid + programs, ..."""
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_BIAS:
-        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+    for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask, 0,
-                          seed, thr, scale, HAS_RES, HAS_DROP, BLOCK_M, BLOCK_N)
+        x, r = _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES)
+        h = _residual_sum(x, r, rows, 0, seed, thr, scale, HAS_RES, HAS_DROP, BLOCK_M, BLOCK_N)
         h = h.to(H.dtype.element_ty)
-        tl.store(H + r64 * N + cols[None, :], h, mask=mask)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(H + offs, h, mask=mask)
         h = h.to(tl.float32)            # the statistics are those of the stored h, as the backward sees it
         if IS_RMS:
             hc = h
@@ -101,14 +113,14 @@ def _fwd_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, see
         y = hc * rstd[:, None] * w
         if HAS_BIAS:
             y += b
-        tl.store(Y + r64 * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale,
                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                         HAS_DROP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One wide row per program, by chunks: statistics first, then h and y."""
+    """One wide row per program, by chunks: h and its statistics first, then y from h read back."""
     row = tl.program_id(0)
     rows = row + tl.arange(0, 1)
     r64 = rows.to(tl.int64)[:, None]
@@ -118,9 +130,11 @@ def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, 
     for col0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = col0 + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]
-        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask,
-                          col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
-        h = h.to(H.dtype.element_ty).to(tl.float32)
+        x, r = _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES)
+        h = _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
+        h = h.to(H.dtype.element_ty)
+        tl.store(H + r64 * N + cols[None, :], h, mask=mask)
+        h = h.to(tl.float32)
         if IS_RMS:
             m2 += tl.sum(h * h)
         else:
@@ -136,14 +150,12 @@ def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, 
     if not IS_RMS:
         tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
+    tl.debug_barrier()      # this program's h stores are visible to all its threads
     for col0 in tl.range(0, N, BLOCK_N, num_stages=NUM_STAGES):
         cols = col0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         mask = col_ok[None, :]
-        h = _residual_sum(X, R, rows, r64 * stride_x + cols[None, :], r64 * stride_r + cols[None, :], mask,
-                          col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
-        h = h.to(H.dtype.element_ty)
-        tl.store(H + r64 * N + cols[None, :], h, mask=mask)
+        h = tl.load(H + r64 * N + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = (h.to(tl.float32) - mean) * rstd * w[None, :]
         if HAS_BIAS:
@@ -176,51 +188,72 @@ def _bwd_row_sums_kernel(DY, H, W, Mean, Rstd, C1, C2, N, IS_RMS: tl.constexpr, 
         tl.store(C2 + row, tl.sum(acc2) / N)
 
 
+@triton.jit
+def _load_tile_grads(DY, DHIN, H, Mean, Rstd, C1, C2, rows, row_ok, cols, col_ok, N, HAS_DHIN: tl.constexpr,
+                     IS_RMS: tl.constexpr, SPLIT: tl.constexpr):
+    """What the backward reads of a tile: dy, dh_in and h as stored, and the rows' statistics."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    h = tl.load(H + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    dhin = dy
+    if HAS_DHIN:
+        dhin = tl.load(DHIN + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+    mean = rstd
+    c1 = rstd
+    c2 = rstd
+    if not IS_RMS:
+        mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+    if SPLIT:
+        c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
+        if not IS_RMS:
+            c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)
+    return dy, dhin, h, mean, rstd, c1, c2
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _bwd_kernel(DY, DHIN, H, W, Mean, Rstd, C1, C2, DX, DR, DWp, DBp, M, N, n_tiles, seed, thr, scale,
                 HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                 HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 NUM_STAGES: tl.constexpr):
-    """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT).
-
-    The loop is software-pipelined (NUM_STAGES): the next tile's loads are in flight while this one computes.
-    """
+    """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT,
+    where the row sums come precomputed in C1, C2)."""
     pid = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+        dy, dhin, h, mean, rstd, c1, c2 = _load_tile_grads(DY, DHIN, H, Mean, Rstd, C1, C2, rows, row_ok, cols,
+                                                           col_ok, N, HAS_DHIN, IS_RMS, SPLIT)
+        dy = dy.to(tl.float32)
         if IS_RMS:
-            hhat = h * rstd
+            hhat = h.to(tl.float32) * rstd[:, None]
         else:
-            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)[:, None]
-            hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            hhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
         dw += dy * hhat
         if HAS_BIAS:
             db += dy
-        g = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        g = dy * w
         if SPLIT:
-            c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
+            dh = g - hhat * c1[:, None]
+            if not IS_RMS:
+                dh -= c2[:, None]
+        elif IS_RMS:
+            dh = g - hhat * (tl.sum(g * hhat, axis=1) / N)[:, None]
         else:
-            c1 = (tl.sum(g * hhat, axis=1) / N)[:, None]
-        dh = g - hhat * c1
-        if not IS_RMS:
-            if SPLIT:
-                dh -= tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
-            else:
-                dh -= (tl.sum(g, axis=1) / N)[:, None]
-        dh *= rstd
+            s1, s2 = tl.split(tl.sum(tl.join(g * hhat, g), axis=1))     # both row sums in one reduction
+            dh = g - hhat * (s1 / N)[:, None] - (s2 / N)[:, None]
+        dh *= rstd[:, None]
         if HAS_DHIN:
-            dh += tl.load(DHIN + offs, mask=mask, other=0.0).to(tl.float32)
+            dh += dhin.to(tl.float32)
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         if HAS_DR:
             tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
         if HAS_DROP:
@@ -245,42 +278,64 @@ def _keep_mask_kernel(Out, M, N, seed, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 # ---------------------------------------------------------------------------------------------- launchers
 
 class Config(NamedTuple):
-    """A launch shape: rows per tile, columns per tile (a chunk when chunked), warps, chunked or not,
-    software-pipeline stages of the row loop."""
+    """A launch shape: rows a tile, columns a tile (a chunk when chunked), warps, chunked or not, and the
+    software-pipeline stages of the tile loop (stages - 1 tiles' loads in flight while one is computed)."""
     block_m: int
     block_n: int
     num_warps: int
     chunked: bool = False
-    num_stages: int = 2
+    num_stages: int = 4
 
 
-def _config(width: int, max_row: int) -> Config:
-    """A tile of whole rows, at least 2048 elements (several narrow rows), 8 elements a thread: so the
-    compiled kernels (sm_90) stay near 64 registers without spilling, and one program of 32 warps or two
-    of 16 fill an SM. bench/fused.py sweeps the neighbours of these choices."""
-    if width > max_row:
-        return Config(1, 4096, 16, chunked=True)
+def _row_tile_config(width: int) -> Config:
+    """8 elements a thread (16-byte loads of bf16), tiles of at least 1024 elements (several narrow rows),
+    4 stages. sm_90 builds (Triton 3.6, bf16, LayerNorm / RMSNorm): forward 48-54 / 40-50 registers, so
+    1024-wide rows keep 10-12 programs an SM and 8192-wide rows one of 32 warps; backward 61-80 / 53-72
+    registers, 64 at 8192 (no spills). Each program then has about two tiles' loads in flight: 60-200 KB an
+    SM. bench/fused.py sweeps the neighbours of these choices."""
     block_n = max(16, triton.next_power_of_2(width))
-    block_m = max(1, min(64, 2048 // block_n))
-    return Config(block_m, block_n, min(32, max(1, block_m * block_n // 256)))
+    block_m = max(1, min(64, 1024 // block_n))
+    return Config(block_m, block_n, max(1, min(32, block_m * block_n // 256)))
 
 
 def forward_config(width: int) -> Config:
-    return _config(width, _MAX_FWD_ROW)
+    if width > _MAX_ROW:
+        return Config(1, 2048, 8, chunked=True, num_stages=3)
+    return _row_tile_config(width)
 
 
 def backward_config(width: int) -> Config:
-    return _config(width, _MAX_BWD_ROW)
+    """As the forward; 8192-wide rows take 3 stages (4 spill a register or two with fp32 weights)."""
+    if width > _MAX_ROW:
+        return Config(1, 2048, 8, chunked=True, num_stages=3)
+    cfg = _row_tile_config(width)
+    return cfg._replace(num_stages=3) if cfg.block_n >= 8192 else cfg
 
 
 _DEVICE: dict = {}
 _RESIDENT: dict = {}
+_LIBCUDA: list = []
+
+
+def _driver_occupancy(function, threads: int, shared: int) -> int:
+    """Blocks of a loaded kernel one SM keeps resident, as the CUDA driver computes it; 0 if it cannot."""
+    try:
+        if not _LIBCUDA:
+            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+        blocks = ctypes.c_int(0)
+        err = _LIBCUDA[0].cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), ctypes.c_void_p(int(function)), ctypes.c_int(threads), ctypes.c_size_t(shared))
+        return blocks.value if err == 0 else 0
+    except Exception:       # noqa: BLE001 - no driver library or no handle: the caller estimates
+        return 0
 
 
 def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_col: int = 1) -> int:
-    """Programs of a persistent launch: as many as stay resident on the device at once, from the compiled
-    kernel's registers and shared memory (more would run in a second, idle-tailed wave), at most one per
-    tile. On CPU (the interpreter) a few, so the row loops are exercised."""
+    """Programs (along grid axis 0) of a persistent launch: as many as the device keeps resident at once,
+    so all run in one wave (a fraction of a second wave would double the time), at most one per tile.
+    The count comes from the driver's occupancy calculator for the compiled kernel; failing that, from its
+    registers and shared memory. On CPU (the interpreter) a few, so the row loops are exercised.
+    A torch.dtype may stand in for a tensor argument not allocated yet (Triton's warmup takes one)."""
     if device.type != "cuda":
         return max(1, min(n_tiles, 3))
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -290,17 +345,21 @@ def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_
                         props.get("max_num_regs", 65536), props.get("max_shared_mem", 232448))
     n_sm, regs, smem = _DEVICE[idx]
     key = (id(kernel), idx, tuple(sorted(meta.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+           tuple(a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, torch.dtype) else type(a)
+                 for a in args))
     if key not in _RESIDENT:
         warps = meta["num_warps"]
+        per_sm = 0
         try:
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             compiled._init_handles()
-            per_thread = -(-max(compiled.n_regs, 1) // 8) * 8     # registers are allocated 8 at a time
-            per_sm = min(regs // (per_thread * 32 * warps), 64 // warps, 32,
-                         smem // (compiled.metadata.shared + 1024))
-        except Exception:   # a Triton without warmup/n_regs: assume 64 registers a thread
-            per_sm = max(1, 32 // warps)
+            shared = compiled.metadata.shared
+            per_sm = _driver_occupancy(compiled.function, 32 * warps, shared)
+            if per_sm <= 0:
+                per_thread = -(-max(compiled.n_regs, 1) // 8) * 8     # registers are allocated 8 at a time
+                per_sm = min(regs // (per_thread * 32 * warps), 64 // warps, 32, smem // (shared + 1024))
+        except Exception:   # noqa: BLE001 - a Triton without warmup/n_regs: assume 64 registers a thread
+            per_sm = 32 // warps
         _RESIDENT[key] = max(1, per_sm)
     return max(1, min(n_tiles, n_sm * _RESIDENT[key] // n_col))
 
@@ -325,7 +384,7 @@ def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Opti
             rstd if is_rms else mean, rstd, M, N, x.stride(0), residual.stride(0) if residual is not None else 0,
             eps, seed, thr, scale]
     meta = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0,
-                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.chunked:
         _fwd_chunked_kernel[(M,)](*args, **meta)
     else:
@@ -359,21 +418,20 @@ def _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype,
         c1 = torch.empty(M, dtype=torch.float32, device=dev)
         c2 = torch.empty(M, dtype=torch.float32, device=dev)
         _bwd_row_sums_kernel[(M,)](dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, N, IS_RMS=is_rms,
-                                   BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                                   BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages)
     thr, scale = _dropout_params(p)
-    # the program count (from the compiled kernel, so from the arguments) sizes the partial-sum buffers:
-    # a placeholder stands in for them until it is known
-    probe = torch.empty((1, N), dtype=torch.float32, device=dev)
+    # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
     args = [dy, dh if dh is not None else dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, dx,
-            dr if dr.numel() else dx, probe, probe, M, N, n_tiles, seed, thr, scale]
+            dr if dr.numel() else dx, torch.float32, torch.float32, M, N, n_tiles, seed, thr, scale]
     meta = dict(HAS_DHIN=dh is not None, HAS_DR=dr.numel() > 0, HAS_BIAS=has_bias, IS_RMS=is_rms,
                 HAS_DROP=p > 0.0, SPLIT=cfg.chunked, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     programs = resident_programs(_bwd_kernel, args, meta, n_tiles, dev, n_col)
-    args[10] = dwp = torch.empty((programs, N), dtype=torch.float32, device=dev)
-    args[11] = dbp = torch.empty((programs, N), dtype=torch.float32, device=dev) if has_bias else dwp
+    part = torch.empty((2 if has_bias else 1, programs, N), dtype=torch.float32, device=dev)
+    args[10], args[11] = part[0], part[-1]
     _bwd_kernel[(programs, n_col)](*args, **meta)
-    return dx, dr, dwp.sum(0), dbp.sum(0) if has_bias else dwp.new_empty(0)
+    return dx, dr, part[0].sum(0), part[1].sum(0) if has_bias else part.new_empty(0)
 
 
 # The kernels as custom ops: torch.compile sees them as opaque nodes with known output shapes, instead of
