@@ -214,6 +214,11 @@ def _launch_amax(x, amax_i32) -> bool:
     return True
 
 
+def _new_partials(M, N, device):
+    # Every SUB_M-row block's partial is written whatever the tile, so no fill (the tests fill NaN here).
+    return torch.empty(triton.cdiv(M, _SUB_M), N, dtype=torch.float32, device=device)
+
+
 def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current,
                  tiles=None) -> bool:
     """One pass of _fp8_cast_kernel; False when it does not compile here (the caller takes the reference).
@@ -251,8 +256,7 @@ def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dt
     key = (current, y is not None, yt is not None, amax_acc is not None)
     if col_sums is None:
         return launch(None) if direct else _compiled(key + (False,), lambda: launch(None))
-    # Every SUB_M-row block's partial is written, whatever the tile: no zero fill needed.
-    partials = torch.empty(triton.cdiv(M, _SUB_M), N, dtype=torch.float32, device=x.device)
+    partials = _new_partials(M, N, x.device)
     if launch(partials) if direct else _compiled(key + (True,), lambda: launch(partials)):
         torch.sum(partials, dim=0, out=col_sums)
         return True
