@@ -1,9 +1,11 @@
-"""Multi-process training on CPU (gloo), launched as users launch it: torchrun running `-m tilewise train`.
+"""Multi-process training on CPU (gloo): the loss trajectory, resharding resume and failures of every strategy.
 
 Without dropout, every strategy and world size follows the one-process loss trajectory over 20 steps within
-fp32 rounding (same global batch); a checkpoint saved by 2 ranks resumes on 1 and on 3; hsdp runs as two
-"nodes" of one process; a rank that raises, or hangs, ends the whole job within a bounded time, with a
-message naming the rank. Run as a script (under torchrun), this file is a worker that injects faults.
+fp32 rounding (same global batch, gradient clipping active); a checkpoint saved by 2 ranks resumes on 1 and
+on 3; hsdp runs as two "nodes" of one process; a rank that raises, or hangs, ends the whole job within a
+bounded time, with a message naming the rank. Launches: torchrun running `-m tilewise train` as users do
+(ddp and the failures), and, to keep the file fast, ranks forked from this process once it has imported
+torch (the rest). Run as a script (under torchrun), this file is a worker that injects faults.
 """
 import json
 import os
@@ -33,6 +35,7 @@ def tiny_overrides(data_dir, out_dir, **extra) -> list[str]:
         "data.dir": json.dumps(str(data_dir)), "train.out_dir": json.dumps(str(out_dir)),
         "model.n_layer": 2, "model.d_model": 32, "model.n_head": 2, "model.seq_len": 16, "model.pad_vocab_to": 16,
         "train.batch_size": 12, "train.max_steps": STEPS, "train.warmup_steps": 3, "train.lr": 1e-2,
+        "train.grad_clip": 0.5,   # below the gradient norm on most steps: clipping must be right on every rank
         "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 2, "train.progress": "false",
         "train.device": '"cpu"', "distributed.timeout_s": 60,
     }
@@ -85,19 +88,14 @@ def reference(data_dir, tmp_path_factory):
     return read_metrics(str(out))
 
 
-def torchrun(nproc, args, *, timeout=120, script=None, env=None, nodes=None):
-    """`torchrun --nproc_per_node=nproc -m tilewise train args` (or this file as the worker script);
-    returns (exit code, output, seconds). nodes=(count, rank, port): one node of a multi-node launch."""
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    if nodes is None:
-        launch.append("--standalone")
-    else:
-        count, rank, port = nodes
-        launch += [f"--nnodes={count}", f"--node_rank={rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    launch += [THIS] if script else ["-m", "tilewise"]
+def torchrun(nproc, args, *, timeout=120, script=False, env=None):
+    """`torchrun --standalone --nproc_per_node=nproc -m tilewise train args` (script: this file as the
+    worker); returns (exit code, output, seconds)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += [THIS] if script else ["-m", "tilewise"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     start = time.time()
-    proc = subprocess.Popen(launch + ["train"] + args, env=full_env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command + ["train"] + args, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         out = proc.communicate(timeout=timeout)[0]
@@ -106,6 +104,62 @@ def torchrun(nproc, args, *, timeout=120, script=None, env=None, nodes=None):
         out = proc.communicate()[0]
         raise AssertionError(f"torchrun did not end within {timeout} s:\n{out[-4000:]}") from None
     return proc.returncode, out, time.time() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forked_rank(rank, world, local_world, port, argv, env, log):
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
+                      LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+    torch.set_num_threads(1)
+    code = 1
+    try:
+        code = _worker(argv)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)   # not the parent's atexit handlers
+
+
+def launch(nproc, args, *, timeout=120, env=None, local_world=None):
+    """The ranks of `tilewise train args`, forked from this process (no second import of torch): returns
+    (exit codes, every rank's output). Where CUDA is initialized a fork cannot be trusted: torchrun instead."""
+    import multiprocessing
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        code, out, _ = torchrun(nproc, args, timeout=timeout, script=True, env=env)
+        return [code], out
+    ctx = multiprocessing.get_context("fork")
+    import tempfile
+    logs = [os.path.join(tempfile.gettempdir(), f"tilewise-rank{r}-{os.getpid()}-{time.monotonic_ns()}.log")
+            for r in range(nproc)]
+    port = free_port()
+    procs = [ctx.Process(target=_forked_rank, args=(r, nproc, local_world or nproc, port, ["train"] + args,
+                                                    env or {}, logs[r])) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join()
+    out = ""
+    for r, log in enumerate(logs):
+        with open(log) as f:
+            out += f"--- rank {r}\n" + f.read()
+        os.remove(log)
+    assert not hung, f"ranks still running after {timeout} s:\n{out[-4000:]}"
+    return [p.exitcode for p in procs], out
 
 
 def assert_same_trajectory(records, reference, first_step=1, keys=("loss", "grad_norm", "val_loss")):
@@ -118,6 +172,7 @@ def assert_same_trajectory(records, reference, first_step=1, keys=("loss", "grad
             if key in want:
                 assert r[key] == pytest.approx(want[key], rel=RTOL), (r["step"], key, r[key], want[key])
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.3   # it learns: the comparison is not of noise
+    assert sum(r["grad_norm"] > 0.5 for r in reference) > STEPS // 2   # and it clips
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,9 +258,9 @@ def test_ddp_two_ranks_with_accumulation_follows_the_reference(data_dir, referen
 def fsdp_two_ranks(data_dir, tmp_path_factory):
     """2 ranks under fsdp, checkpoints at steps 10 and 20."""
     run = tmp_path_factory.mktemp("fsdp2") / "run"
-    code, out, _ = torchrun(2, cli_args(tiny_overrides(data_dir, run, **{
+    codes, out = launch(2, cli_args(tiny_overrides(data_dir, run, **{
         "distributed.strategy": "fsdp", "checkpoint.every": 10})))
-    assert code == 0, out[-4000:]
+    assert codes == [0] * len(codes), out[-4000:]
     return run
 
 
@@ -233,36 +288,20 @@ def test_resume_two_rank_checkpoint_on_one_rank(data_dir, fsdp_two_ranks, refere
 
 def test_resume_two_rank_checkpoint_on_three_ranks(data_dir, fsdp_two_ranks, reference, tmp_path):
     copy_checkpoint(fsdp_two_ranks, 10, tmp_path / "run")
-    code, out, _ = torchrun(3, cli_args(tiny_overrides(data_dir, tmp_path / "run", **{
+    codes, out = launch(3, cli_args(tiny_overrides(data_dir, tmp_path / "run", **{
         "distributed.strategy": "fsdp"})) + ["--resume"])
-    assert code == 0, out[-4000:]
+    assert codes == [0] * len(codes), out[-4000:]
     assert_same_trajectory(read_metrics(str(tmp_path / "run")), reference, first_step=11)
     manifest = json.load(open(tmp_path / "run" / "checkpoints" / "step_00000020" / "manifest.json"))
     assert manifest["world_size"] == 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_hsdp_on_two_nodes_follows_the_reference(data_dir, reference, tmp_path):
-    """Two torchrun launchers of one process each, as two nodes: replicated across them, sharded within."""
-    port = free_port()
-    args = cli_args(tiny_overrides(data_dir, tmp_path / "run", **{"distributed.strategy": "hsdp"}))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=2",
-              "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "tilewise", "train"] + args
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(launch[:5] + [f"--node_rank={r}"] + launch[5:], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    """Two ranks as two nodes of one process each (LOCAL_WORLD_SIZE=1, as `torchrun --nnodes=2
+    --nproc_per_node=1` sets it): a (2, 1) mesh, replicated across the nodes, sharded within."""
+    codes, out = launch(2, cli_args(tiny_overrides(data_dir, tmp_path / "run", **{"distributed.strategy": "hsdp"})),
+                        local_world=1)
+    assert codes == [0] * len(codes), out[-4000:]
     assert_same_trajectory(read_metrics(str(tmp_path / "run")), reference)
     manifest = json.load(open(tmp_path / "run" / "checkpoints" / "step_00000020" / "manifest.json"))
     # sharded within a node of one process: whole tensors, written once although both nodes hold them
@@ -293,10 +332,10 @@ def test_fp8_two_ranks_share_scales_and_follow_one_rank(data_dir, tmp_path):
     the same scales bitwise; the losses follow a one-process FP8 run within FP8 rounding."""
     extra = {"fp8.recipe": '"delayed"', "train.max_steps": 10}
     run_inprocess(data_dir, tmp_path / "one", **extra)
-    code, out, _ = torchrun(2, cli_args(tiny_overrides(data_dir, tmp_path / "two", **extra,
-                                                       **{"distributed.strategy": "fsdp"})),
-                            script=True, env={"TILEWISE_TEST_FP8_LOG": str(tmp_path / "scales")})
-    assert code == 0, out[-4000:]
+    codes, out = launch(2, cli_args(tiny_overrides(data_dir, tmp_path / "two", **extra,
+                                                   **{"distributed.strategy": "fsdp"})),
+                        env={"TILEWISE_TEST_FP8_LOG": str(tmp_path / "scales")})
+    assert codes == [0] * len(codes), out[-4000:]
     logs = [json.load(open(tmp_path / f"scales.{r}.json")) for r in range(2)]
     assert len(logs[0]) == 10 and logs[0] == logs[1]
     assert len({len(s) for s in logs[0]}) == 1 and logs[0][0] != logs[0][-1]   # scales moved, in step
