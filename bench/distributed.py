@@ -152,7 +152,8 @@ def main() -> int:
                 json.dump(result, f, indent=1)
         except OSError as e:
             print(f"could not write {d}/distributed.json: {e}", file=sys.stderr)
-    print(f"\n{'variant':<14} {'tokens/s':>10} {'x none':>7} {'ms/step':>8} {'MFU':>6} {'peak GB':>8} {'loss':>8} agrees")
+    print(f"\n{'variant':<14} {'tokens/s':>10} {'x none':>7} {'ms/step':>8} {'MFU':>6} {'peak GB':>8} {'loss':>8} "
+          f"agrees")
     for r in out_rows:
         if r.get("tilewise") is None:
             print(f"{r['variant']:<14} {'failed':>10}  {r.get('error', 'no baseline')}")
