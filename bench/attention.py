@@ -7,7 +7,13 @@ output and gradients are checked against SDPA flash before it is timed; one that
 The last row is the memory check: forward + backward at seqlen 131072, batch 1, 16 heads, head_dim 128,
 peak memory beyond inputs, outputs and gradients (limit 1 GB).
 
-    PYTHONPATH=src python3 bench/attention.py --out DIR [--quick]
+Tuning comes with the measurement: tilewise times its candidate configs on the first call of every
+(head_dim, mask, sequence-length class) key, so each shape row records the chosen config and the time of
+every candidate of the three kernels ("tuning"). --sweep (or TILEWISE_BENCH_SWEEP=1) widens the candidate
+lists (more compiles: use it with --quick, or a larger --budget). Each row also records the host time of
+one call ("host_us"): when it exceeds the timed GPU time, the shape is launch-bound, not kernel-bound.
+
+    PYTHONPATH=src python3 bench/attention.py --out DIR [--quick] [--sweep]
 """
 from __future__ import annotations
 
@@ -29,7 +35,25 @@ ALL_SHAPES = [(128, 16384, False), (64, 4096, True), (64, 1024, True), (128, 163
               (128, 1024, True), (64, 1024, False)]
 QUICK_SHAPES = ALL_SHAPES[:4]
 MEMORY_AFTER = 4  # the memory row runs after the anchors, once d128 causal is tuned
-PTR_SHAPES = ALL_SHAPES[:2]  # the pointer-load path, beside the default (TMA on sm90), on the anchors
+PTR_SHAPES = ALL_SHAPES[:1]  # the pointer-load path, beside the default (TMA on sm90), on one anchor
+HOST_CALLS = 20
+# --sweep: wider candidate lists, (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim class.
+# The defaults (tilewise.ops.attention.CONFIGS) are the ones that compile without register spills on sm_90;
+# these add neighbours, a few of which spill a little, to see whether any of them wins anyway.
+SWEEP = {
+    "fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3),
+                 (128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 4)],
+            128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 3),
+                  (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2)]},
+    "dkdv": {64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 3),
+                  (64, 64, 8, 3), (128, 128, 8, 2)],
+             128: [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 4),
+                   (64, 128, 8, 2), (64, 128, 8, 3)]},
+    "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3),
+                (128, 64, 4, 3)],
+           128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2),
+                 (128, 32, 4, 3)]},
+}
 
 
 def parse_args(argv=None):
@@ -41,12 +65,15 @@ def parse_args(argv=None):
                    help="seconds; shapes not started when it runs out are recorded as skipped (default 220)")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms (default 100)")
     p.add_argument("--no-memory", action="store_true", help="skip the 128k memory row")
+    p.add_argument("--sweep", action="store_true", default=os.environ.get("TILEWISE_BENCH_SWEEP", "0") == "1",
+                   help="time the wider candidate lists (SWEEP) per shape (also TILEWISE_BENCH_SWEEP=1)")
     return p.parse_args(argv)
 
 
 def _env(path):
-    """The load path of tilewise's kernels: None = its default, 'ptr' = pointer loads."""
-    return {"TILEWISE_ATTN_TMA": "0"} if path == "ptr" else {}
+    """The load path of tilewise's kernels: None = its default, 'ptr' = pointer loads (each kernel's default
+    config, untimed: a check that the fallback path runs and how fast, without its compile bill)."""
+    return {"TILEWISE_ATTN_TMA": "0", "TILEWISE_ATTN_AUTOTUNE": "0"} if path == "ptr" else {}
 
 
 class _Env:
@@ -125,7 +152,21 @@ def run_once(fn, q, k, v, causal, dout):
     return [out.detach()] + [t.grad.detach().clone() for t in (q, k, v)]
 
 
-def bench_shape(torch, triton, provs, head_dim, seqlen, causal, rep, with_ptr):
+def host_us(torch, fn, grads=()):
+    """Host microseconds per call: HOST_CALLS calls queued without a synchronize (the GPU lags behind, so
+    the host never waits on it until the launch queue fills, far beyond these calls)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        for t in grads:
+            t.grad = None
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(seconds / HOST_CALLS * 1e6, 1)
+
+
+def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_ptr):
     heads, batch = WIDTH // head_dim, TOKENS // seqlen
     shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal,
              "dtype": "bf16"}
@@ -135,7 +176,8 @@ def bench_shape(torch, triton, provs, head_dim, seqlen, causal, rep, with_ptr):
     dout = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     fwd_flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
     results = {"fwd": {}, "bwd": {}}
-    notes, diffs = {}, {}
+    notes, diffs, host = {}, {}, {}
+    seen = {kern: len(rows) for kern, rows in attn.tuning_report().items()}
     names = [n for n in provs if n != "tilewise_ptr" or with_ptr]
     ref = None
     anchor = "sdpa_flash" if not isinstance(provs.get("sdpa_flash"), str) else None
@@ -160,14 +202,18 @@ def bench_shape(torch, triton, provs, head_dim, seqlen, causal, rep, with_ptr):
                 out_fwd = lambda: fn(q, k, v, causal)  # noqa: E731
                 ms_f = triton.testing.do_bench(out_fwd, warmup=25, rep=rep, return_mode="median")
                 out = fn(q, k, v, causal)
-                ms_b = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25, rep=rep,
-                                               grad_to_none=[q, k, v], return_mode="median")
+                bwd = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
+                ms_b = triton.testing.do_bench(bwd, warmup=25, rep=rep, grad_to_none=[q, k, v],
+                                               return_mode="median")
+                host[name] = {"fwd": host_us(torch, out_fwd), "bwd": host_us(torch, bwd, [q, k, v])}
                 del out
         except Exception as e:  # a backend that cannot run this shape (e.g. cuDNN missing) is recorded
             notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
         results["fwd"][name] = fwd_flops / (ms_f * 1e-3) / 1e12
         results["bwd"][name] = 2.5 * fwd_flops / (ms_b * 1e-3) / 1e12
+    # The keys this shape tuned (new entries of the report): chosen config and candidate times per kernel.
+    tuned = {kern: entries[seen.get(kern, 0):] for kern, entries in attn.tuning_report().items()}
     rows = []
     for direction in ("fwd", "bwd"):
         vals = results[direction]
@@ -185,6 +231,9 @@ def bench_shape(torch, triton, provs, head_dim, seqlen, causal, rep, with_ptr):
             row["rel_diff_vs_sdpa_flash"] = diffs
         if notes:
             row["notes"] = notes
+        row["host_us"] = {n: h[direction] for n, h in host.items()}
+        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq")
+        row["tuning"] = {kern: tuned[kern] for kern in kernels if tuned.get(kern)}
         rows.append(row)
     return rows
 
@@ -193,8 +242,8 @@ def memory_row(torch):
     """Forward + backward at 128k tokens, causal: peak bytes beyond q, k, v, dout, out, lse, dq, dk, dv."""
     from tilewise.ops import flash_attention
     seqlen, heads, head_dim = 131072, 16, 128
-    warm = [torch.randn(1, 4096, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
-            for _ in range(3)]  # autotunes (if not done yet) at a small size: the same tuning key
+    warm = [torch.randn(1, 16384, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(3)]  # tunes (if not done yet) at 16k, the sequence-length class 128k falls in
     flash_attention(*warm, causal=True).sum().backward()
     del warm
     shape = {"batch": 1, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": True,
@@ -247,11 +296,33 @@ def table(rows):
 
 
 def commit():
+    """`git rev-parse HEAD`, else $TILEWISE_COMMIT (a copy of the tree without .git), else 'unknown'."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip()
     except Exception:
-        return "unknown"
+        return os.environ.get("TILEWISE_COMMIT", "unknown")
+
+
+def tuning_lines(rows):
+    """Per shape: the config each tilewise kernel chose and its time against the best other candidate."""
+    lines = ["tilewise configs chosen (BLOCK_M,BLOCK_N,warps,stages: ms; runner-up)"]
+    for r in rows:
+        if not r.get("tuning"):
+            continue
+        s = r["shape"]
+        parts = []
+        for kern, entries in r["tuning"].items():
+            for e in entries:
+                times = sorted((v, c) for c, v in e["ms"].items() if isinstance(v, float))
+                failed = sum(1 for v in e["ms"].values() if isinstance(v, str))
+                tma = "tma" if e["key"].get("USE_TMA") else "ptr"
+                chosen = ",".join(map(str, e["chosen"])) if e["chosen"] else "none"
+                best = f"{times[0][0]:.3f}" if times else "-"
+                second = f"; {times[1][1]} {times[1][0]:.3f}" if len(times) > 1 else ""
+                parts.append(f"{kern}/{tma} {chosen}: {best}{second}" + (f" ({failed} failed)" if failed else ""))
+        lines.append(f"  d={s['head_dim']} N={s['seqlen']} causal={s['causal']} {s['pass']}: " + " | ".join(parts))
+    return lines
 
 
 def main(argv=None):
@@ -262,7 +333,12 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    from tilewise.ops import attention as attn
     t0 = time.monotonic()
+    if args.sweep:
+        for kern, classes in SWEEP.items():
+            for head_dim, configs in classes.items():
+                attn.set_candidates(kern, configs, head_dim)
     provs = providers(torch, F)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
     rows, default_failed = [], False
@@ -276,7 +352,7 @@ def main(argv=None):
         # The pointer path also runs wherever the default path has failed, so a broken TMA build still
         # leaves numbers for the kernels.
         with_ptr = (head_dim, seqlen, causal) in PTR_SHAPES or default_failed
-        new = bench_shape(torch, triton, provs, head_dim, seqlen, causal, args.rep, with_ptr=with_ptr)
+        new = bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, args.rep, with_ptr=with_ptr)
         default_failed = default_failed or any(r.get("tilewise") is None for r in new)
         rows += new
         print(f"[{time.monotonic() - t0:6.1f}s] d={head_dim} N={seqlen} causal={causal} done", flush=True)
@@ -293,7 +369,9 @@ def main(argv=None):
     result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-              "seconds": round(time.monotonic() - t0, 1), "rows": rows}
+              "seconds": round(time.monotonic() - t0, 1), "sweep": args.sweep,
+              "tma_fallbacks": [{"kernel": k, "key": str(key), "error": e} for k, key, e in attn.fallbacks],
+              "rows": rows}
     text = json.dumps(result, indent=1)
     targets = [Path(__file__).resolve().parent / "results"]
     if args.out is not None:
@@ -304,6 +382,9 @@ def main(argv=None):
             (d / "attention.json").write_text(text + "\n")
         except OSError as e:
             print(f"could not write {d / 'attention.json'}: {e}", file=sys.stderr)
+    print("\n".join(tuning_lines(rows)))
+    for k, key, e in attn.fallbacks:
+        print(f"TMA fallback: {k} {key}: {e}")
     print(table(rows))
     return 0
 

@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.testing
 
 from tilewise import ops
 from tilewise.ops import attention as attn
@@ -176,9 +178,12 @@ def test_sliding_window(causal, window, device, tma):
     check(*qkv(1, 45, 41, 2, 1, 16, device=device), causal=causal, window=window)
 
 
-def test_softmax_scale(device, tma):
+@pytest.mark.parametrize("scale", [0.7, -0.5, 0.0])
+def test_softmax_scale(scale, device, tma):
+    """A negative scale makes the smallest raw score the largest; zero gives uniform weights (and must not
+    turn a masked -inf into NaN). 40 rows: both the unmasked and the diagonal key blocks run."""
     tma("ptr")
-    check(*qkv(1, 20, 20, 2, 2, 16, dtype=torch.float32, device=device), softmax_scale=0.7)
+    check(*qkv(1, 40, 40, 2, 1, 16, dtype=torch.float32, device=device), causal=True, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (4, 2))])
@@ -223,14 +228,15 @@ def test_tma_and_pointer_paths_agree(packed, device, tma):
 
 
 def test_autograd_function_matches_the_custom_op(device, tma):
-    """FlashAttnFunction.apply (no op dispatch) and the registered custom op are the same computation."""
+    """Eager flash_attention (FlashAttnFunction.apply, no op dispatch) and the registered custom op with its
+    autograd formula (what torch.compile traces) are the same computation."""
     tma("ptr")
     q, k, v = qkv(1, 21, 21, 2, 1, 16, device=device)
     dout = torch.randn_like(q)
     scale = 1.0 / math.sqrt(16)
     with ops.use("triton"):
         a, lse_a = _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)
-    b, lse_b = _grads(lambda *t: attn.FlashAttnFunction.apply(*t, None, 0, scale, -1, 0), (q, k, v), dout)
+    b, lse_b = _grads(lambda *t: torch.ops.tilewise.flash_attn_fwd(*t, None, 0, scale, -1, 0), (q, k, v), dout)
     for x, y in zip(a + [lse_a], b + [lse_b]):
         assert torch.equal(x, y)
 
@@ -318,19 +324,134 @@ def test_opcheck(device, tma):
     torch.library.opcheck(torch.ops.tilewise.flash_attn_bwd.default, args)
 
 
-@pytest.mark.parametrize("table", ["_FWD", "_DKDV", "_DQ"])
-def test_gpu_config_pruning(table, monkeypatch):
-    """The Hopper configs (unused by the interpreter): each head_dim class keeps its own list;
-    TILEWISE_ATTN_AUTOTUNE=0 keeps its first config."""
-    entries = getattr(attn, table)
-    configs = [attn._cfg(*e) for e in dict.fromkeys(e for es in entries.values() for e in es)]
-    prune = attn._pruner(entries)
-    shape = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
-    for block_d, cls in ((16, 64), (64, 64), (128, 128), (256, 256)):
-        monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "1")
-        assert sorted(shape(c) for c in prune(configs, {}, BLOCK_D=block_d)) == sorted(entries[cls])
-        monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
-        assert [shape(c) for c in prune(configs, {}, BLOCK_D=block_d)] == entries[cls][:1]
+def test_batch_split_over_grid_launches(device, tma, monkeypatch):
+    """A batch larger than CUDA's grid limit (65535) is launched in chunks; here the limit is 2."""
+    tma("ptr")
+    monkeypatch.setattr(attn, "_MAX_GRID_YZ", 2)
+    check(*qkv(5, 9, 9, 2, 1, 16, device=device), causal=True)
+
+
+# ------------------------------------------------------------------------------------------ config choice
+
+def test_config_tables(monkeypatch):
+    """Each head_dim class has its own candidates (the interpreter runs one small config instead);
+    TILEWISE_ATTN_CONFIGS replaces a kernel's list, and a malformed value is a ValueError."""
+    monkeypatch.setattr(attn, "_INTERPRET", False)
+    monkeypatch.delenv("TILEWISE_ATTN_CONFIGS", raising=False)
+    for kern in attn._KERNELS:
+        for block_d, cls in ((16, 64), (64, 64), (128, 128), (256, 256)):
+            table = attn.CONFIGS[kern.name][cls]
+            for use_tma, path in ((False, "ptr"), (True, "tma")):
+                got = kern.candidates(block_d, use_tma)
+                assert got and got == [c[:4] for c in table if c[4:] in ((), (path,))]
+                assert len(set(got)) == len(got)
+                for bm, bn, warps, stages in got:
+                    assert bm in (16, 32, 64, 128) and bn in (16, 32, 64, 128) and warps in (4, 8)
+                    assert 1 <= stages <= 4
+    monkeypatch.setenv("TILEWISE_ATTN_CONFIGS", "fwd=64,32,4,2/128,64,8,3;dq=16,16,4,1")
+    assert attn._FWD.candidates(128, True) == [(64, 32, 4, 2), (128, 64, 8, 3)]
+    assert attn._DQ.candidates(64, False) == [(16, 16, 4, 1)]
+    assert attn._DKDV.candidates(64, False) == attn.CONFIGS["dkdv"][64]
+    for bad in ("fwd=64,32", "nope=64,32,4,2", "fwd"):
+        monkeypatch.setenv("TILEWISE_ATTN_CONFIGS", bad)
+        with pytest.raises(ValueError, match="TILEWISE_ATTN_CONFIGS"):
+            attn._FWD.candidates(64, False)
+
+
+class _FakeKernel:
+    """Stands in for a Triton kernel: records launches; configs in `broken`, and every descriptor
+    launch when `tma_broken`, raise as a compile failure would."""
+
+    def __init__(self, broken=(), tma_broken=False):
+        self.launches, self.broken, self.tma_broken = [], set(broken), tma_broken
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA=False, **consts):
+            cfg = (BLOCK_M, BLOCK_N, num_warps, num_stages)
+            if cfg in self.broken or (USE_TMA and self.tma_broken):
+                raise RuntimeError(f"cannot compile {cfg}")
+            self.launches.append((cfg, USE_TMA, grid, args))
+        return launch
+
+
+_CANDS = [(64, 64, 4, 3), (128, 64, 8, 3), (32, 32, 4, 2)]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The config machinery as on the GPU (no interpreter shortcut), over _CANDS, with do_bench timing a
+    launch by a fixed table: (32, 32, 4, 2) is the fastest."""
+    monkeypatch.setattr(attn, "_INTERPRET", False)
+    monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "1")
+    monkeypatch.setenv("TILEWISE_ATTN_CONFIGS", "fwd=" + "/".join(",".join(map(str, c)) for c in _CANDS))
+    monkeypatch.setattr(attn, "fallbacks", [])
+    speed = {(64, 64, 4, 3): 3.0, (128, 64, 8, 3): 2.0, (32, 32, 4, 2): 1.0}
+    timed = []
+
+    def fake_bench(fn, **kwargs):
+        fn()
+        timed.append(fake.launches[-1][0])
+        return speed[fake.launches[-1][0]]
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    fake = _FakeKernel()
+    return fake, attn._Kernel("fwd", fake), timed
+
+
+def _launch(kern, tma, batch=3, key=("k",)):
+    consts = {"BLOCK_D": 64}
+    attn._run(kern, tma, key, batch, lambda bm, bn, nb: (1, 2, nb), lambda bm, bn, t, b0: ("x", b0), consts)
+
+
+def test_config_choice_times_skips_and_caches(fake_gpu):
+    fake, kern, timed = fake_gpu
+    fake.broken = {(64, 64, 4, 3)}
+    _launch(kern, "off")
+    assert kern.chosen[("k", False)] == (32, 32, 4, 2)
+    assert sorted(timed) == [(32, 32, 4, 2), (128, 64, 8, 3)]
+    assert "cannot compile" in kern.timings[("k", False)][(64, 64, 4, 3)]
+    fake.launches.clear()
+    timed.clear()
+    _launch(kern, "off")  # the key is known: one launch, nothing timed
+    assert [x[0] for x in fake.launches] == [(32, 32, 4, 2)] and timed == []
+    report = attn.tuning_report()
+    assert set(report) == {"fwd", "dkdv", "dq"}
+
+
+def test_config_choice_untimed_takes_the_first_that_compiles(fake_gpu, monkeypatch):
+    fake, kern, timed = fake_gpu
+    monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
+    fake.broken = {(64, 64, 4, 3)}
+    _launch(kern, "off")
+    assert kern.chosen[("k", False)] == (128, 64, 8, 3) and timed == []
+
+
+def test_descriptor_failure_falls_back_to_pointer_loads(fake_gpu):
+    """'auto': no descriptor config compiles -> pointer loads, noted once; 'on' raises; every config
+    broken raises NoConfigError, and again at once on the next call (no recompiling)."""
+    fake, kern, timed = fake_gpu
+    fake.tma_broken = True
+    _launch(kern, "auto")
+    assert ("k", True) in kern.failed and kern.chosen[("k", False)] == (32, 32, 4, 2)
+    assert all(not used_tma for _, used_tma, _, _ in fake.launches)
+    _launch(kern, "auto")
+    assert len(attn.fallbacks) == 1 and attn.fallbacks[0][0] == "fwd"
+    with pytest.raises(attn.NoConfigError):
+        _launch(kern, "on")
+    fake.broken = set(_CANDS)
+    with pytest.raises(attn.NoConfigError, match="no fwd config"):
+        _launch(kern, "off", key=("other",))
+    fake.launches.clear()
+    with pytest.raises(attn.NoConfigError):
+        _launch(kern, "off", key=("other",))
+    assert fake.launches == []
+
+
+def test_batch_chunks_reach_the_kernel(fake_gpu, monkeypatch):
+    fake, kern, _ = fake_gpu
+    monkeypatch.setattr(attn, "_MAX_GRID_YZ", 2)
+    monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
+    _launch(kern, "off", batch=5)
+    assert [(grid[2], args[1]) for _, _, grid, args in fake.launches] == [(2, 0), (2, 2), (1, 4)]
 
 
 def _bad_cases():

@@ -1,16 +1,20 @@
 """Attention: softmax(Q K^T * scale + mask) V, with causal, sliding-window, GQA and packed varlen masks.
 
 Flash attention: the N x N scores never reach HBM.
-- Forward: one program per (query block, batch * head). It keeps its Q tile on chip, streams K/V tiles and
+- Forward: one program per (query block, head, batch). It keeps its Q tile on chip, streams K/V tiles and
   keeps a running row max m, row sum l and an fp32 accumulator (online softmax in base 2: log2(e) is folded
-  into the scale, so each score costs one exp2). Key blocks come in three phases: the interior, where no
-  mask applies and none is computed, and the boundary blocks (causal diagonal, window edges, the ragged
-  end of the keys), where it is. Blocks the mask removes entirely are never visited. Writes O and the
-  natural-log LSE; the heaviest (latest) causal query blocks are launched first.
+  into the scale; the row max is taken on the raw scores, so each score costs one FMA and one exp2). Key
+  blocks come in three phases: the interior, where no mask applies and none is computed, and the boundary
+  blocks (causal diagonal, window edges, the ragged end of the keys), where it is. Blocks the mask removes
+  entirely are never visited. Writes O and the natural-log LSE.
+- Launch order: the query blocks of one head are neighbours in the grid, so the programs running at once
+  share a few heads' K/V in L2 (a batch * head-major order streamed every head's K/V from HBM for each
+  query block); within a head the heaviest (latest) causal query blocks go first.
 - Backward: P = exp2(S * scale * log2(e) - lse2) is recomputed from the saved LSE. A small kernel writes
   delta = rowsum(dO * O) - dLSE and lse2; one kernel per key block accumulates dK and dV over the query
-  blocks (and over the query heads of its GQA group); one kernel per query block accumulates dQ over the key
-  blocks. No atomics anywhere, so gradients are bitwise repeatable whatever `deterministic` says.
+  blocks (with GQA, over the query blocks of every head of its group, in one flat loop); one kernel per
+  query block accumulates dQ over the key blocks. No atomics anywhere, so gradients are bitwise repeatable
+  whatever `deterministic` says.
 - Bytes: forward reads Q and writes O once (plus 4 bytes of LSE per row) and reads K, V once per query
   block, mostly from L2; backward reads Q, K, V, O, dO and writes dQ, dK, dV, re-reading per block in the
   same way. Memory is O(N): no N x N tensor is kept.
@@ -18,7 +22,11 @@ Flash attention: the N x N scores never reach HBM.
   side by side) K, V, Q and dO tiles come through host TMA tensor descriptors; otherwise (and with
   TILEWISE_ATTN_TMA=0) through masked pointer loads. Both are the same kernels (USE_TMA constexpr), and the
   interpreter runs both. A TMA tile may run into the next sequence's rows: such keys are masked (boundary
-  phase) and such queries get P = 0 (lse2 = +inf) or are never stored.
+  phase) and such queries get P = 0 (lse2 = +inf) or are never stored. If no descriptor config compiles
+  (another Triton), the pointer path takes over by itself.
+- Tiles: each kernel has a short list of (BLOCK_M, BLOCK_N, warps, stages) candidates per head_dim (CONFIGS);
+  the first call with a new key (head_dim, mask, dtype, sequence-length class) times them and keeps the
+  fastest. TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS replaces the lists.
 
 Conventions (the flash-attn ones):
 - q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); heads_q is a
@@ -35,6 +43,7 @@ Conventions (the flash-attn ones):
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -43,8 +52,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from .dispatch import use_triton
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host descriptors: pointer loads only
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # read inside a kernel: compiled Triton accepts only constexpr globals
@@ -175,10 +190,11 @@ def _keep(qpos, kpos, seqlen_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                 qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right, qk_scale,
-                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NEG_SCALE: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
-    """Online softmax over key blocks [lo, hi) (base 2; qk_scale includes log2(e))."""
+    """Online softmax over key blocks [lo, hi). m_i is in the scaled base-2 domain; the row maximum is taken
+    on the raw scores and scaled once per row, so each score costs one FMA and one exp2."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     v_offs = offs_n[:, None] * svs + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -188,16 +204,25 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
             k = desc_k.load([k_row + start_n, kv_col])
         else:
             k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16) * qk_scale
+        s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16)
         if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if NEG_SCALE:  # a negative scale turns the largest score into the smallest raw one
+                ext = tl.min(tl.where(keep, s, float("inf")), 1)
+            else:
+                ext = tl.max(tl.where(keep, s, float("-inf")), 1)
+            # a row with no key in this block contributes -inf (never inf * 0 = NaN when the scale is 0)
+            m_blk = tl.where((ext == float("inf")) | (ext == float("-inf")), float("-inf"), ext * qk_scale)
+            m_new = tl.maximum(m_i, m_blk)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
+            p = tl.where(keep, tl.math.exp2(s * qk_scale - m_use[:, None]), 0.0)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if NEG_SCALE:
+                m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -213,15 +238,16 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-              seqlen_q, seqlen_k, rows_q, rows_k, n_heads, group, qk_scale, left, right,
+              seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, left, right, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
               DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # latest query blocks (most causal work) first
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
+    in L2; within a head the latest (most causal work) go first."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
     hk = h // group
     start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
@@ -252,21 +278,21 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     kv_col = hk * HEAD_DIM
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_lo, inner_hi, sk, left, right, qk_scale,
-                                False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC,
-                                EMU_BF16)
+                                False, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                DOT_PREC, EMU_BF16)
     if HAS_LEFT:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                     qpos, offs_n, offs_d, lo, inner_lo, sk, left, right, qk_scale,
-                                    True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC,
-                                    EMU_BF16)
+                                    True, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                    DOT_PREC, EMU_BF16)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_hi, hi, sk, left, right, qk_scale,
-                                True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC,
-                                EMU_BF16)
+                                True, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                DOT_PREC, EMU_BF16)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc * (1.0 / l_safe)[:, None]  # one division per row, not per element
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
     _store_tile(o_ptrs, _cast(out, O.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
@@ -275,15 +301,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
 
 @triton.jit
 def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
-              sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, n_heads,
+              sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
               BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e), +inf where lse = -inf (then P = 0)."""
-    pid_bh = tl.program_id(0)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
     start, sq, _ = _seq_bounds(CU, b, seqlen_q, seqlen_q, VARLEN)
-    m0 = tl.program_id(1) * BLOCK_M
+    m0 = tl.program_id(0) * BLOCK_M
     if m0 >= sq:
         return
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
@@ -305,38 +330,68 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, q_col, sqs, sds, lse2_ptr, delta_ptr,
-                 kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right, qk_scale,
-                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse2_ptr, delta_ptr,
+               start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
+    """One query block's share of dK, dV, in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
+    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q."""
+    rows = start_m + offs_m
+    if USE_TMA:
+        q = desc_q.load([q_row + start_m, q_col])
+        do = desc_do.load([q_row + start_m, q_col])
+    else:
+        q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED:
+        lse2 = tl.load(lse2_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
+        delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
+    else:
+        lse2 = tl.load(lse2_ptr + rows)
+        delta = tl.load(delta_ptr + rows)
+    s_t = _dot(k, tl.trans(q), None, DOT_PREC, EMU_BF16)
+    p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:
+        keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+        p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
+    dv = _dot(_cast(p_t, do.dtype, EMU_BF16), do, dv, DOT_PREC, EMU_BF16)
+    dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(_cast(ds_t, q.dtype, EMU_BF16), q, dk, DOT_PREC, EMU_BF16)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                 sqs, sqh, sds, sdh, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                 qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
-    """dK, dV of one key block over query blocks [lo, hi), in the transposed (key, query) frame."""
+    """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each of the
+    group's heads h0 .. h0 + group - 1: one flat loop over (head, block) pairs, never a loop around loops
+    (that keeps the accumulators in registers: nested loops made ptxas spill them)."""
     q_offs = offs_m[:, None] * sqs + offs_d[None, :]
     do_offs = offs_m[:, None] * sds + offs_d[None, :]
-    for start_m in tl.range(lo, hi, BLOCK_M):
-        rows = start_m + offs_m
-        if USE_TMA:
-            q = desc_q.load([q_row + start_m, q_col])
-            do = desc_do.load([q_row + start_m, q_col])
-        else:
-            start = tl.cast(start_m, tl.int64)
-            q = _load_tile(q_base + start * sqs + q_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-            do = _load_tile(do_base + start * sds + do_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        if MASKED:
-            lse2 = tl.load(lse2_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
-            delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
-        else:
-            lse2 = tl.load(lse2_ptr + rows)
-            delta = tl.load(delta_ptr + rows)
-        s_t = _dot(k, tl.trans(q), None, DOT_PREC, EMU_BF16) * qk_scale
-        p_t = tl.math.exp2(s_t - lse2[None, :])
-        if MASKED:
-            keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
-        dv = _dot(_cast(p_t, do.dtype, EMU_BF16), do, dv, DOT_PREC, EMU_BF16)
-        dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = _dot(_cast(ds_t, q.dtype, EMU_BF16), q, dk, DOT_PREC, EMU_BF16)
+    if GQA:
+        n_blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        for it in tl.range(0, n_blocks * group):
+            g = it // n_blocks
+            start_m = lo + (it - g * n_blocks) * BLOCK_M
+            g64 = g.to(tl.int64)
+            sm64 = tl.cast(start_m, tl.int64)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base + g64 * sqh + sm64 * sqs + q_offs,
+                                do_base + g64 * sdh + sm64 * sds + do_offs, desc_q, desc_do, q_row,
+                                (h0 + g) * HEAD_DIM, LSE2 + l_base + g64 * slh, DELTA + l_base + g64 * slh,
+                                start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
+    else:
+        for start_m in tl.range(lo, hi, BLOCK_M):
+            sm64 = tl.cast(start_m, tl.int64)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base + sm64 * sqs + q_offs, do_base + sm64 * sds + do_offs,
+                                desc_q, desc_do, q_row, h0 * HEAD_DIM, LSE2 + l_base, DELTA + l_base,
+                                start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
@@ -344,21 +399,22 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, q_col, s
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
                    sgb, sgs, sgh, slb, slh,
-                   seqlen_q, seqlen_k, rows_q, rows_k, n_kv_heads, group, qk_scale, softmax_scale, left, right,
+                   seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
-                   HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr,
                    DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (key block, batch * kv head); dK and dV are written (contiguous, strides sg*)."""
-    pid_bh = tl.program_id(0)
-    pid_n = tl.program_id(1)  # early key blocks are seen by the most causal queries: they go first
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
+    """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
+    blocks are seen by the most causal queries: they go first."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2) + b0
     start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
-    b64, hk64, start64 = b.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
+    h0 = hk * group
+    b64, hk64, h64, start64 = b.to(tl.int64), hk.to(tl.int64), h0.to(tl.int64), start.to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -378,25 +434,22 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     q_row = b * rows_q + start
-    for g in range(group):
-        h = hk * group + g
-        h64 = h.to(tl.int64)
-        q_base = Q + b64 * sqb + start64 * sqs + h64 * sqh
-        do_base = DO + b64 * sdb + start64 * sds + h64 * sdh
-        row_base = b64 * slb + h64 * slh + start64
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, h * HEAD_DIM, sqs, sds,
-                              LSE2 + row_base, DELTA + row_base, offs_n, offs_m, offs_d, inner_lo, inner_hi,
-                              sq, sk, off, left, right, qk_scale, False, HAS_LEFT, HAS_RIGHT,
-                              HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
-        if HAS_RIGHT:
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, h * HEAD_DIM, sqs, sds,
-                                  LSE2 + row_base, DELTA + row_base, offs_n, offs_m, offs_d, lo, inner_lo,
-                                  sq, sk, off, left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT,
-                                  HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_row, h * HEAD_DIM, sqs, sds,
-                              LSE2 + row_base, DELTA + row_base, offs_n, offs_m, offs_d, inner_hi, hi,
-                              sq, sk, off, left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT,
-                              HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
+    q_base = Q + b64 * sqb + start64 * sqs + h64 * sqh
+    do_base = DO + b64 * sdb + start64 * sds + h64 * sdh
+    l_base = b64 * slb + h64 * slh + start64
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_lo, inner_hi, sq, sk, off,
+                          left, right, qk_scale, False, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
+    if HAS_RIGHT:
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
+                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, inner_lo, sq, sk, off,
+                              left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                              USE_TMA, DOT_PREC, EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_hi, hi, sq, sk, off,
+                          left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     dk = dk * softmax_scale
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
@@ -421,8 +474,8 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
             start = tl.cast(start_n, tl.int64)
             k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
             v = _load_tile(v_base + start * svs + v_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
+        s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
@@ -435,16 +488,15 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sgb, sgs, sgh, slb, slh,
-                 seqlen_q, seqlen_k, rows_q, rows_k, n_heads, group, qk_scale, softmax_scale, left, right,
+                 seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
                  DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query block, batch * head); dQ is written (contiguous, strides sg*)."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
+    """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
     hk = h // group
     start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
     m0 = pid_m * BLOCK_M
@@ -492,72 +544,159 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotuning: Hopper configs on the GPU, one small config in the interpreter
+# Configs: candidates per kernel and head_dim, one chosen per key (timed on its first call)
 # ----------------------------------------------------------------------------------------------
 
-def _cfg(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
-                         pre_hook=_set_block_shapes)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim class (64: head_dim <= 64, 128: <= 128,
+# 256: <= 256), the first of a load path its default when nothing is timed; a fifth element "tma" or "ptr"
+# keeps an entry to that load path. Each compiles for sm_90 without register spills on its paths (an AOT
+# check with ptxas, Triton 3.9; head_dim 256 dK/dV is the exception, with the fewest spills found). What
+# spills: a 128-row tile with 4 warps at head_dim 128, a 128x128 score tile with 4 warps, dK/dV with
+# 64 x 128 tiles at head_dim 128; the pointer path holds more addresses in registers than the descriptor
+# path. BLOCK_M 64 entries serve short sequences, where more, shorter programs fill the GPU better.
+# H200: 227 KB of shared memory per block, 64K registers per SM.
+CONFIGS = {
+    "fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma"),
+                  (128, 128, 8, 3, "tma")],
+            256: [(128, 32, 8, 2), (64, 64, 8, 2, "tma"), (128, 64, 8, 2, "tma")]},
+    "dkdv": {64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+             128: [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 8, 4)],
+             256: [(16, 64, 8, 2, "tma"), (32, 32, 8, 2, "ptr"), (16, 32, 4, 2, "ptr")]},
+    "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)],
+           128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 8, 3), (128, 128, 8, 2, "tma")],
+           256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2, "tma")]},
+}
+_INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+_MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads, batch); a larger batch is launched in chunks
 
 
-def _set_block_shapes(nargs):
-    """TMA descriptors take the tile shape of the config the autotuner is about to run."""
-    rows = {"desc_q": "BLOCK_M", "desc_do": "BLOCK_M", "desc_k": "BLOCK_N", "desc_v": "BLOCK_N"}
-    for name, block in rows.items():
-        desc = nargs.get(name)
-        if desc is not None and not isinstance(desc, torch.Tensor):
-            desc.block_shape = [nargs[block], nargs["BLOCK_D"]]
+class NoConfigError(RuntimeError):
+    """No candidate config of a kernel compiled and ran for a key."""
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim class: <= 64, <= 128, > 128 (tile dim).
-# H200: 228 KB smem and 64K registers per SM. Forward: a 128-row Q tile per program, K/V streamed
-# (Q + stages * (K + V) tiles stay under ~200 KB). dK/dV: a 128-row key block per program (the dK, dV
-# accumulators live in registers), Q/dO streamed. dQ: a 128-row query block, K/V streamed.
-_FWD = {64: [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 4)],
-        256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2)]}
-_DKDV = {64: [(64, 128, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
-         128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
-         256: [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2)]}
-_DQ = {64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-       128: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-       256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)]}
-
-
-def _configs(table, interpret_shape):
-    if _INTERPRET:
-        return [_cfg(*interpret_shape, 4, 1)]
-    seen, out = set(), []
-    for entries in table.values():
-        for e in entries:
-            if e not in seen:
-                seen.add(e)
-                out.append(_cfg(*e))
+def _env_configs():
+    """TILEWISE_ATTN_CONFIGS='fwd=128,64,8,3/64,64,4,3;dq=128,64,8,2' replaces a kernel's candidates."""
+    text = os.environ.get("TILEWISE_ATTN_CONFIGS", "").strip()
+    if not text:
+        return {}
+    out = {}
+    try:
+        for part in filter(None, text.split(";")):
+            name, cfgs = part.split("=")
+            out[name.strip()] = [tuple(int(x) for x in c.split(",")) for c in cfgs.split("/")]
+        assert all(name in CONFIGS and all(len(c) == 4 for c in cs) for name, cs in out.items())
+    except (ValueError, AssertionError):
+        raise ValueError(f"TILEWISE_ATTN_CONFIGS={text!r}: expected 'fwd=BM,BN,WARPS,STAGES/...;dkdv=...;dq=...'")
     return out
 
 
-def _pruner(table):
-    """Keep the configs of the head_dim class; TILEWISE_ATTN_AUTOTUNE=0 keeps its first one, untimed."""
-    def prune(configs, nargs, **kwargs):
-        d = {**nargs, **kwargs}["BLOCK_D"]
-        wanted = table[64 if d <= 64 else 128 if d <= 128 else 256]
-        if os.environ.get("TILEWISE_ATTN_AUTOTUNE", "1") == "0":
-            wanted = wanted[:1]
-        keep = [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-        return keep or configs[:1]
-    return prune
+class _Kernel:
+    """A kernel and the config it runs with per key. The key holds what changes the best tile (the
+    constexpr flags, the dtype, the sequence-length bucket); on the first call with a key every candidate
+    is timed (TILEWISE_ATTN_AUTOTUNE=0: the first that compiles is taken, untimed). A candidate that fails
+    to compile or launch is skipped; when none is left the key raises NoConfigError."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+        self.chosen = {}   # key -> config
+        self.failed = {}   # key -> NoConfigError
+        self.timings = {}  # key -> {config: ms, or the error it raised, or None when untimed}
+        self.described = {}  # key -> its fields by name, for tuning_report()
+
+    def candidates(self, block_d, use_tma):
+        if _INTERPRET:
+            return [_INTERPRET_CONFIG[self.name]]
+        override = _env_configs().get(self.name)
+        if override:
+            return override
+        cls = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+        path = "tma" if use_tma else "ptr"
+        return [tuple(c[:4]) for c in CONFIGS[self.name][cls] if len(c) == 4 or c[4] == path]
+
+    def launch(self, cfg, grid, args, consts):
+        bm, bn, warps, stages = cfg
+        self.fn[grid(bm, bn)](*args(bm, bn), **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+    def __call__(self, key, grid, args, consts):
+        cfg = self.chosen.get(key)
+        if cfg is None:
+            cfg, done = self._choose(key, grid, args, consts)
+            if done:  # the untimed choice has just run with these arguments
+                return
+        self.launch(cfg, grid, args, consts)
+
+    def _choose(self, key, grid, args, consts):
+        if key in self.failed:
+            raise self.failed[key]
+        cands = self.candidates(consts["BLOCK_D"], consts.get("USE_TMA", False))
+        timed = len(cands) > 1 and os.environ.get("TILEWISE_ATTN_AUTOTUNE", "1") != "0"
+        results, best, best_ms, last = {}, None, math.inf, None
+        for cfg in cands:
+            try:
+                self.launch(cfg, grid, args, consts)  # compiles on first use
+                if not timed:
+                    results[cfg], best = None, cfg
+                    break
+                ms = triton.testing.do_bench(lambda: self.launch(cfg, grid, args, consts), warmup=5, rep=25,
+                                             return_mode="median")
+            except Exception as e:  # noqa: BLE001 - any failure of one config (compiler, resources, launch)
+                if _INTERPRET:
+                    raise
+                last = e
+                results[cfg] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+                continue
+            results[cfg] = ms
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        self.timings[key] = results
+        self.described[key] = {"seqlen_bucket": key[0], "dtype": str(key[1]).replace("torch.", ""), **consts}
+        if best is None:
+            err = NoConfigError(f"flash_attention: no {self.name} config compiled and ran for key {key}: {results}")
+            err.__cause__ = last
+            self.failed[key] = err
+            raise err
+        self.chosen[key] = best
+        return best, not timed
 
 
-# The key holds what changes the best tile: head_dim, the mask kind, the load path (and the dtype, which
-# the autotuner adds itself). Sequence length is left out so a new length does not re-tune.
-_KEY = ["BLOCK_D", "HAS_LEFT", "HAS_RIGHT", "VARLEN", "USE_TMA"]
-_attn_fwd_tuned = triton.autotune(_configs(_FWD, (32, 16)), key=_KEY,
-                                  prune_configs_by={"early_config_prune": _pruner(_FWD)})(_attn_fwd)
-_attn_bwd_dkdv_tuned = triton.autotune(_configs(_DKDV, (16, 32)), key=_KEY,
-                                       prune_configs_by={"early_config_prune": _pruner(_DKDV)})(_attn_bwd_dkdv)
-_attn_bwd_dq_tuned = triton.autotune(_configs(_DQ, (32, 16)), key=_KEY,
-                                     prune_configs_by={"early_config_prune": _pruner(_DQ)})(_attn_bwd_dq)
+_FWD = _Kernel("fwd", _attn_fwd)
+_DKDV = _Kernel("dkdv", _attn_bwd_dkdv)
+_DQ = _Kernel("dq", _attn_bwd_dq)
+_KERNELS = (_FWD, _DKDV, _DQ)
+fallbacks: list = []  # (kernel, key, error) each time the descriptor path gave way to pointer loads
+
+
+def set_candidates(name, configs, head_dim=None):
+    """Replace kernel `name`'s candidates ('fwd', 'dkdv', 'dq') for one head_dim class or all, on both
+    load paths, and forget the configs chosen so far (the benchmark's sweep uses this)."""
+    classes = [head_dim] if head_dim is not None else list(CONFIGS[name])
+    for c in classes:
+        CONFIGS[name][c] = [tuple(cfg) for cfg in configs]
+    reset_tuning()
+
+
+def reset_tuning():
+    for kern in _KERNELS:
+        kern.chosen.clear()
+        kern.failed.clear()
+        kern.timings.clear()
+        kern.described.clear()
+    fallbacks.clear()
+
+
+def tuning_report():
+    """{kernel: [{"key": {...}, "chosen": config or None, "ms": {config: ms or error}}]} of this process."""
+    report = {}
+    for kern in _KERNELS:
+        rows = []
+        for key, results in kern.timings.items():
+            rows.append({"key": kern.described[key],
+                         "chosen": kern.chosen.get(key),
+                         "ms": {",".join(map(str, c)): (round(v, 4) if isinstance(v, float) else v)
+                                for c, v in results.items()}})
+        report[kern.name] = rows
+    return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -582,13 +721,22 @@ def _seq_strides(t, packed):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _want_tma(device) -> bool:
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_mode(device) -> str:
+    """'off', 'auto' (descriptors on sm90+, pointer loads if no descriptor config compiles) or 'on'
+    (descriptors, an error if they fail: TILEWISE_ATTN_TMA=1, as the tests use it)."""
     flag = os.environ.get("TILEWISE_ATTN_TMA", "auto").strip().lower()
     if flag in ("0", "off", "false"):
-        return False
+        return "off"
     if flag in ("1", "on", "true"):
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+        return "on"
+    if TensorDescriptor is None:
+        return "off"
+    return "auto" if device.type == "cuda" and _is_sm90(device.index) else "off"
 
 
 def _tma_layout_ok(t, packed) -> bool:
@@ -604,12 +752,11 @@ def _tma_layout_ok(t, packed) -> bool:
     return packed or t.shape[0] == 1 or t.stride(0) == t.shape[1] * row_stride
 
 
-def _descriptor(t, packed):
-    from triton.tools.tensor_descriptor import TensorDescriptor
+def _descriptor(t, packed, block_rows):
+    """The (rows, heads * head_dim) view of t as a host TMA descriptor with (block_rows, head_dim) tiles."""
     rows = t.shape[0] if packed else t.shape[0] * t.shape[1]
     d = t.shape[-1]
-    # block_shape is a placeholder: the autotuner's pre_hook sets the config's tile before each launch.
-    return TensorDescriptor(t, [rows, t.shape[-2] * d], [t.stride(-3), 1], [16, d])
+    return TensorDescriptor(t, [rows, t.shape[-2] * d], [t.stride(-3), 1], [block_rows, d])
 
 
 def _lse_strides(heads, seqlen_q, total, packed):
@@ -628,14 +775,46 @@ def _common(q, k, cu_seqlens, max_seqlen):
     return packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim
 
 
+def _cdiv(a, b):  # plain Python: triton.cdiv is a constexpr function with a per-call cost in new Tritons
+    return -(-a // b)
+
+
+def _pow2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _flags(q, left, right):
-    return dict(HEAD_DIM=q.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
-                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+    return dict(HEAD_DIM=q.shape[-1], BLOCK_D=max(16, _pow2(q.shape[-1])),
+                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, VARLEN=False,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                 EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16)
 
 
-def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, use_tma=None):
+def _bucket(max_q, max_k):
+    """Sequence-length class of a tuning key: powers of two from 256 to 16384."""
+    return min(max(_pow2(max(max_q, max_k, 1)), 256), 16384)
+
+
+def _run(kern, tma, key, batch, grid, args, consts):
+    """Launch over batch chunks of at most 65535 (grid dim 2): on the descriptor path when `tma` is 'auto'
+    or 'on', pointer loads when 'off'; 'auto' falls back to pointer loads when no descriptor config of
+    this key compiles (and notes it in `fallbacks`)."""
+    for b0 in range(0, batch, _MAX_GRID_YZ):
+        nb = min(batch - b0, _MAX_GRID_YZ)
+        g = lambda bm, bn: grid(bm, bn, nb)  # noqa: E731
+        if tma != "off":
+            try:
+                kern(key + (True,), g, lambda bm, bn: args(bm, bn, True, b0), {**consts, "USE_TMA": True})
+                continue
+            except NoConfigError as e:
+                if tma == "on":
+                    raise
+                if not any(f[0] == kern.name and f[1] == key for f in fallbacks):
+                    fallbacks.append((kern.name, key, str(e.__cause__ or e)[:300]))
+        kern(key + (False,), g, lambda bm, bn: args(bm, bn, False, b0), {**consts, "USE_TMA": False})
+
+
+def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     """O (contiguous, q's dtype) and LSE (float32, natural log)."""
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
@@ -646,24 +825,29 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, u
         return out, lse
     if k.numel() == 0:  # no key anywhere
         return out.zero_(), lse.fill_(float("-inf"))
-    if use_tma is None:
-        use_tma = _want_tma(q.device)
-    use_tma = use_tma and all(_tma_layout_ok(t, packed) for t in (q, k, v))
-    descs = [_descriptor(t, packed) for t in (q, k, v)] if use_tma else [None] * 3
+    tma = _tma_mode(q.device)
+    if tma != "off" and not all(_tma_layout_ok(t, packed) for t in (q, k, v)):
+        tma = "off"
     cu = cu_seqlens.to(q.device) if packed else None
     rows_q, rows_k = (0, 0) if packed else (seqlen_q, seqlen_k)
-    grid = lambda meta: (batch * heads, triton.cdiv(max_q, meta["BLOCK_M"]))  # noqa: E731
-    _attn_fwd_tuned[grid](
-        q, k, v, out, lse, cu, *descs,
-        *_seq_strides(q, packed), *_seq_strides(k, packed), *_seq_strides(v, packed),
-        *_seq_strides(out, packed), *_lse_strides(heads, seqlen_q, total, packed),
-        seqlen_q, seqlen_k, rows_q, rows_k, heads, heads // kv_heads, softmax_scale * LOG2E, left, right,
-        VARLEN=packed, USE_TMA=use_tma, **_flags(q, left, right))
+    scalars = (*_seq_strides(q, packed), *_seq_strides(k, packed), *_seq_strides(v, packed),
+               *_seq_strides(out, packed), *_lse_strides(heads, seqlen_q, total, packed),
+               seqlen_q, seqlen_k, rows_q, rows_k, heads // kv_heads, softmax_scale * LOG2E, left, right)
+
+    def args(bm, bn, use_tma, b0):
+        descs = ((_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn))
+                 if use_tma else (None, None, None))
+        return (q, k, v, out, lse, cu if packed else None, *descs, *scalars, b0)
+
+    consts = _flags(q, left, right)
+    consts["VARLEN"] = packed
+    consts["NEG_SCALE"] = softmax_scale < 0
+    key = (_bucket(max_q, max_k), q.dtype, *consts.values())
+    _run(_FWD, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
 
 
-def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                   use_tma=None):
+def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
     """dQ, dK, dV (contiguous, in the input dtype)."""
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
@@ -681,33 +865,48 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     lse2 = _new(lse.shape, torch.float32, q.device)
     delta = _new(lse.shape, torch.float32, q.device)
     has_dlse = dlse is not None
-    flags = _flags(q, left, right)
+    consts = _flags(q, left, right)
+    consts["VARLEN"] = packed
     prep_rows = 64
-    _bwd_prep[(batch * heads, triton.cdiv(max_q, prep_rows))](
-        out, dout, dlse.contiguous() if has_dlse else lse, lse, lse2, delta, cu,
-        *_seq_strides(out, packed), *_seq_strides(dout, packed), *lse_strides, seqlen_q, heads,
-        HEAD_DIM=head_dim, BLOCK_D=flags["BLOCK_D"], VARLEN=packed, HAS_DLSE=has_dlse, BLOCK_M=prep_rows)
+    dlse_arg = dlse.contiguous() if has_dlse else lse
+    for b0 in range(0, batch, _MAX_GRID_YZ):
+        nb = min(batch - b0, _MAX_GRID_YZ)
+        _bwd_prep[(_cdiv(max_q, prep_rows), heads, nb)](
+            out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed),
+            *lse_strides, seqlen_q, b0, HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], VARLEN=packed,
+            HAS_DLSE=has_dlse, BLOCK_M=prep_rows)
 
-    if use_tma is None:
-        use_tma = _want_tma(q.device)
-    if use_tma and not _tma_layout_ok(dout, packed):
+    tma = _tma_mode(q.device)
+    if tma != "off" and not _tma_layout_ok(dout, packed):
         dout = dout.contiguous()
-    use_tma = use_tma and all(_tma_layout_ok(t, packed) for t in (q, k, v, dout))
-    descs = [_descriptor(t, packed) for t in (q, k, v, dout)] if use_tma else [None] * 4
+    if tma != "off" and not all(_tma_layout_ok(t, packed) for t in (q, k, v, dout)):
+        tma = "off"
     rows_q, rows_k = (0, 0) if packed else (seqlen_q, seqlen_k)
+    group = heads // kv_heads
     strides = (*_seq_strides(q, packed), *_seq_strides(k, packed), *_seq_strides(v, packed),
                *_seq_strides(dout, packed))
-    group = heads // kv_heads
-    grid_kv = lambda meta: (batch * kv_heads, triton.cdiv(max_k, meta["BLOCK_N"]))  # noqa: E731
-    _attn_bwd_dkdv_tuned[grid_kv](
-        q, k, v, dout, dk, dv, lse2, delta, cu, *descs, *strides, *_seq_strides(dk, packed), *lse_strides,
-        seqlen_q, seqlen_k, rows_q, rows_k, kv_heads, group, softmax_scale * LOG2E, softmax_scale, left, right,
-        VARLEN=packed, USE_TMA=use_tma, **flags)
-    grid_q = lambda meta: (batch * heads, triton.cdiv(max_q, meta["BLOCK_M"]))  # noqa: E731
-    _attn_bwd_dq_tuned[grid_q](
-        q, k, v, dout, dq, lse2, delta, cu, *descs, *strides, *_seq_strides(dq, packed), *lse_strides,
-        seqlen_q, seqlen_k, rows_q, rows_k, heads, group, softmax_scale * LOG2E, softmax_scale, left, right,
-        VARLEN=packed, USE_TMA=use_tma, **flags)
+    tail = (seqlen_q, seqlen_k, rows_q, rows_k, group, softmax_scale * LOG2E, softmax_scale, left, right)
+    bucket = _bucket(max_q, max_k)
+
+    def descs(bm, bn, use_tma):
+        if not use_tma:
+            return None, None, None, None
+        return (_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn),
+                _descriptor(dout, packed, bm))
+
+    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
+    dkdv_consts = {**consts, "GQA": group > 1}
+    _run(_DKDV, tma, (bucket, q.dtype, *dkdv_consts.values()),
+         batch, lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb),
+         lambda bm, bn, use_tma, b0: (q, k, v, dout, dk, dv, lse2, delta, cu, *descs(bm, bn, use_tma),
+                                      *dkdv_scalars, b0),
+         dkdv_consts)
+    dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
+    _run(_DQ, tma, (bucket, q.dtype, *consts.values()),
+         batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb),
+         lambda bm, bn, use_tma, b0: (q, k, v, dout, dq, lse2, delta, cu, *descs(bm, bn, use_tma),
+                                      *dq_scalars, b0),
+         consts)
     return dq, dk, dv
 
 
@@ -743,9 +942,10 @@ def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, 
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """Forward and backward of flash attention. The same setup_context/backward are registered as the
-    autograd formula of the custom op tilewise::flash_attn_fwd, which is what flash_attention calls, so
-    eager and torch.compile run one path; FlashAttnFunction.apply is the same computation without the op."""
+    """Forward and backward of flash attention for eager calls: the launchers run directly, with no op
+    dispatch on the host path. Under torch.compile flash_attention calls the custom op
+    tilewise::flash_attn_fwd instead, whose autograd formula (below) shares setup_context and calls the
+    backward op, so tracing sees two opaque ops."""
 
     @staticmethod
     def forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
@@ -760,15 +960,20 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.tilewise.flash_attn_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return _backward(ctx, dout, dlse, _attn_backward)
 
 
-torch.library.register_autograd("tilewise::flash_attn_fwd", FlashAttnFunction.backward,
-                                setup_context=FlashAttnFunction.setup_context)
+def _backward(ctx, dout, dlse, impl):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = impl(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tilewise::flash_attn_fwd", lambda ctx, dout, dlse: _backward(ctx, dout, dlse, torch.ops.tilewise.flash_attn_bwd),
+    setup_context=FlashAttnFunction.setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -845,8 +1050,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
         left, right = _effective_window(causal, window)
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        out, lse = torch.ops.tilewise.flash_attn_fwd(q, k, v, cu_seqlens, int(max_seqlen or 0),
-                                                     float(softmax_scale), left, right)
+        args = (q, k, v, cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right)
+        if torch.compiler.is_compiling():
+            out, lse = torch.ops.tilewise.flash_attn_fwd(*args)
+        else:
+            out, lse = FlashAttnFunction.apply(*args)
         return (out, lse) if return_lse else out
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                cu_seqlens=cu_seqlens, return_lse=return_lse)
