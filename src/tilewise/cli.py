@@ -96,6 +96,8 @@ def cmd_train(args) -> int:
     from .train import train
     cfg = load_config(args.preset, args.config, args.overrides)
     summary = train(cfg, resume=args.resume)
+    if summary.get("rank", 0) != 0:  # one console voice: rank 0 reports
+        return 0
     print(f"final_val_loss {summary['final_val_loss']:.4f}  unigram_val_loss {summary['unigram_val_loss']:.4f}  "
           f"ratio {summary['val_over_unigram']:.3f}  ({summary['wall_s']:.0f} s, "
           f"{summary['tokens_per_s'] or 0:,.0f} tokens/s)")
