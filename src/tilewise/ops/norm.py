@@ -314,6 +314,7 @@ def backward_config(width: int) -> Config:
 
 _DEVICE: dict = {}
 _RESIDENT: dict = {}
+_RESIDENT_INFO: dict = {}       # how each count was found (for bench/fused.py)
 _LIBCUDA: list = []
 
 
@@ -349,18 +350,22 @@ def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_
                  for a in args))
     if key not in _RESIDENT:
         warps = meta["num_warps"]
-        per_sm = 0
+        info = {"source": "assumed 64 registers"}
         try:
             compiled = kernel.warmup(*args, grid=(1,), **meta)
             compiled._init_handles()
             shared = compiled.metadata.shared
+            info = {"n_regs": compiled.n_regs, "n_spills": getattr(compiled, "n_spills", None), "shared": shared,
+                    "source": "driver"}
             per_sm = _driver_occupancy(compiled.function, 32 * warps, shared)
             if per_sm <= 0:
+                info["source"] = "registers and shared memory"
                 per_thread = -(-max(compiled.n_regs, 1) // 8) * 8     # registers are allocated 8 at a time
                 per_sm = min(regs // (per_thread * 32 * warps), 64 // warps, 32, smem // (shared + 1024))
-        except Exception:   # noqa: BLE001 - a Triton without warmup/n_regs: assume 64 registers a thread
-            per_sm = 32 // warps
+        except Exception:   # noqa: BLE001 - a Triton without warmup/n_regs: half the SM, never a second wave
+            per_sm = 16 // warps
         _RESIDENT[key] = max(1, per_sm)
+        _RESIDENT_INFO[key] = info
     return max(1, min(n_tiles, n_sm * _RESIDENT[key] // n_col))
 
 
