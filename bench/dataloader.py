@@ -18,58 +18,24 @@ Before timing, every loader's first batch is checked against the source's own ba
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from common import PlainGPT, environment
 from tilewise.data import Prefetcher, TokenDataset, default_corpus_files, write_token_shards
 
 VOCAB = 50304
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---- a plain GPT-2 124M (the step the loaders feed; its speed is not what is measured)
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab=VOCAB, seq_len=1024, d=768, layers=12, heads=12):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.ln(x) @ self.tok.weight.t()
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+# ---- the model the loaders feed: a plain GPT-2 124M (bench/common.py); its speed is not what is measured
 
 
 # ---- the slow source: rows tokenized when asked for
@@ -230,19 +196,6 @@ def step(model, opt, x, y):
     return loss.item()  # a trainer that logs every step: the host meets the GPU here
 
 
-def versions():
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or None
-    except OSError:
-        commit = None
-    return triton_version, commit
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="also write dataloader.json into this folder")
@@ -286,9 +239,9 @@ def main(argv=None):
     print(f"data ready in {time.time() - t0:.1f} s", file=sys.stderr)
 
     if device.type == "cuda":
-        model = GPT(seq_len=T).to(device)
+        model = PlainGPT(seq_len=T).to(device)
     else:
-        model = GPT(seq_len=T, d=64, layers=1, heads=2)
+        model = PlainGPT(seq_len=T, d=64, layers=1, heads=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     results = {}
     for source_name, source, items in (("memmap", memmap, BatchItems(memmap, B)), ("slow", slow, slow)):
@@ -304,9 +257,7 @@ def main(argv=None):
             print(f"{source_name:7s} {name:15s} step {r['step_ms']:8.2f} ms  wait {r['data_wait_ms']:8.3f} ms", file=sys.stderr)
         results[source_name] = rows
 
-    triton_version, commit = versions()
-    out = {"area": "dataloader", "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke run)", "torch": torch.__version__,
-           "triton": triton_version, "commit": commit, "date": datetime.date.today().isoformat(),
+    out = {"area": "dataloader", **environment(),
            "setup": {"model": "gpt2-124m (plain torch, bf16 autocast, fused AdamW, loss.item() every step)",
                      "batch": B, "seq_len": T, "timed_steps": steps, "prefetch_depth": 2,
                      "slow_source": f"BPE-8192 encode of {args.chars_per_token} chars/token per row, at request time",

@@ -13,17 +13,17 @@ before the table, each variant's last loss must agree with the plain run's (bf16
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+from common import environment  # noqa: E402
 
 VARIANTS = {   # name -> (config overrides, loss tolerance against "none")
     "none": ({}, 0.0),
@@ -38,18 +38,6 @@ VARIANTS = {   # name -> (config overrides, loss tolerance against "none")
 }
 QUICK = ("none", "ddp", "fsdp", "fsdp_zero2")
 LOG_EVERY = 5
-
-
-def environment() -> dict:
-    import torch
-    import triton
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("TILEWISE_COMMIT", "unknown")
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit, "date": datetime.date.today().isoformat()}
 
 
 def synthetic_tokens(path: str, tokens: int) -> None:

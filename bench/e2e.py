@@ -9,58 +9,24 @@ and see the same random batches; after the timed steps their losses must agree w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
-import subprocess
 import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
 
+from common import PlainGPT, environment  # noqa: E402
 from tilewise.config import load_config  # noqa: E402
 from tilewise.model import GPT  # noqa: E402
 from tilewise.train import make_optimizer  # noqa: E402
 
 PEAK = 989e12
 SHAPES = {"gpt2-124m": (32, 1024), "gpt-1.3b": (8, 2048)}
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class PlainGPT(nn.Module):
-    def __init__(self, vocab, seq, d, layers, heads):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(PlainBlock(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
 @torch.no_grad()
@@ -107,17 +73,6 @@ def time_steps(model, optimizer, batches, warmup, steps, after_step=None):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps, loss.item()
-
-
-def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("TILEWISE_COMMIT", "unknown")
-    import triton
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit, "date": datetime.date.today().isoformat()}
 
 
 def run_config(name: str, args) -> list[dict]:

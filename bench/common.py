@@ -1,0 +1,70 @@
+"""What the benchmark scripts share: the environment record of a results file and the plain PyTorch GPT.
+
+The plain GPT is what a strong PyTorch user writes (nn.LayerNorm, nn.Linear, SDPA, tied embeddings); its
+parameter layout (fused qkv, tied head) lets it start from a tilewise model's weights.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def git_commit() -> str:
+    """HEAD's sha; TILEWISE_COMMIT where the tree has no .git (the GPU machine's copy)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("TILEWISE_COMMIT", "unknown")
+
+
+def environment() -> dict:
+    """gpu, torch, triton, commit and date, the header of every results file."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "commit": git_commit(),
+            "date": datetime.date.today().isoformat()}
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 in plain PyTorch; forward returns the mean cross-entropy."""
+
+    def __init__(self, vocab=50304, seq_len=1024, d=768, layers=12, heads=12):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
+        self.blocks = nn.ModuleList(PlainBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
