@@ -62,7 +62,10 @@ def test_bias_gelu_fp32_bias_bf16_x_and_leading_dims():
 
 def test_bias_gelu_backward_persistent_programs_cover_every_row():
     """More row tiles than programs: the dbias partial sums must include every tile exactly once."""
-    x, b = gelu_inputs(300, 40, torch.float32)   # tiles of 64 rows: 5 tiles over 3 programs
+    x, b = gelu_inputs(300, 40, torch.float32)   # tiles of 16 rows: 19 tiles over 3 programs
+    assert activation._bias_gelu_bwd_tile(40)[0] == 16
+    compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, torch.float32)
+    x, b = gelu_inputs(7, 2500, torch.float32)   # three column blocks (of 1024), 7 one-row tiles
     compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, torch.float32)
 
 

@@ -10,6 +10,7 @@ by truncation where the GPU rounds to nearest even, so there bf16 results may al
 truncating the float64 result itself (for values next to a bf16 number, truncation costs a whole ulp where
 rounding costs nothing). The gpu-marked tests hold bf16 to plain 2x.
 """
+import json
 import math
 import os
 
@@ -206,6 +207,85 @@ def test_tile_shapes_agree(cfg):
 
     check_against_float64(x, r, w, b, kind="layernorm", dropout_p=0.1, mask=keep_mask(37, 100, 0.1, 4, DEVICE),
                           kernel=kernel)
+
+
+def test_launch_configs():
+    """Whole rows in registers up to 8192 wide, chunks beyond; 8 elements a thread, tiles of at least 1024
+    elements, and a loop pipelined deep enough (>= 3 stages) to keep loads in flight while a tile computes."""
+    for width in [1, 7, 16, 100, 768, 1000, 1024, 2048, 3000, 4096, 5000, 8192, 8193, 20000, 65536]:
+        for cfg in (norm.forward_config(width), norm.backward_config(width)):
+            assert cfg.chunked == (width > 8192), (width, cfg)
+            assert cfg.num_stages >= 3 and 1 <= cfg.num_warps <= 32, (width, cfg)
+            if not cfg.chunked:
+                assert cfg.block_n >= width and cfg.block_m * cfg.block_n >= min(1024, 64 * cfg.block_n)
+                assert cfg.block_m * cfg.block_n == 8 * 32 * cfg.num_warps, (width, cfg)
+
+
+_SM90_BUILD = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tilewise.ops import norm
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def build(fn, ptrs, constexprs, cfg):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = ptrs.get(name, "fp32" if name in ("eps", "scale") else "i32")
+            if sig[name].startswith("*") or name in ("N", "stride_x", "stride_r"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    waits = [int(w) for w in re.findall(r"cp\.async\.wait_group\s+(\d+)", k.asm["ptx"])]
+    return {"spills": sass.count("LDL") + sass.count("STL"), "sass": len(sass), "max_wait": max(waits or [0])}
+
+out = []
+for width in (768, 4096, 8192):
+    for is_rms in (False, True):
+        cfg = norm.forward_config(width)
+        ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Mean": "*fp32", "Rstd": "*fp32"}
+        cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+        out.append(["fwd", width, is_rms, build(norm._fwd_kernel, ptrs, cx, cfg)])
+        cfg = norm.backward_config(width)
+        ptrs = dict.fromkeys(["DY", "DHIN", "H", "W", "DX", "DR"], "*bf16")
+        ptrs |= dict.fromkeys(["Mean", "Rstd", "C1", "C2", "DWp", "DBp"], "*fp32")
+        cx = dict(HAS_DHIN=True, HAS_DR=False, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, SPLIT=False,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+        out.append(["bwd", width, is_rms, build(norm._bwd_kernel, ptrs, cx, cfg)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_sm90_builds_pipeline_and_do_not_spill():
+    """The default configs compiled for sm_90 (ahead of time, with Triton's own ptxas; no GPU needed): no
+    register spills, and the tile loop waits on its async copies leaving later tiles' loads in flight (a
+    cp.async.wait_group above 0; a 2-stage pipeline waits for everything and idles a memory latency a tile).
+    Runs in a subprocess, as the interpreter (set for this test session) cannot compile."""
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no NVIDIA toolchain")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind, width, is_rms, got in json.loads(done.stdout.strip().splitlines()[-1]):
+        what = f"{kind} width {width} {'rmsnorm' if is_rms else 'layernorm'}"
+        assert got["sass"] > 1000, what
+        assert got["spills"] == 0, f"{what}: {got['spills']} local loads/stores (register spills)"
+        assert got["max_wait"] > 0, f"{what}: the loop waits for all its copies (no loads in flight)"
 
 
 def test_gradient_arriving_as_strided_view():

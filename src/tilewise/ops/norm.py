@@ -11,17 +11,17 @@ Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
     dh = rstd * (g - mean(g) - hhat * mean(g * hhat)) + dh_in        (RMSNorm drops the mean(g) term)
     dresidual = dh,  dx = keep * dh / (1 - p),
 dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
-per column in registers over its row tiles and writes one fp32 row of partial sums; one small torch sum
-over those rows gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h; write dx (which is
-also dresidual when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel
-takes mean(g) and mean(g * hhat) first, then the columns are split across programs.
+per column in registers over its row tiles and writes one fp32 row of partial sums; a torch sum over those
+rows gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h; write dx (which is also dresidual
+when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel takes mean(g)
+and mean(g * hhat) first, then the columns are split across programs.
 
-The row-tile kernels are persistent: exactly as many programs as the GPU keeps resident (the driver's
-occupancy figure for the compiled kernel), so there is one wave and no tail; each walks tiles pid,
-pid + programs, ... and loads the next tile into registers before working on this one (PREFETCH), so
-every program always has a tile's loads in flight. Plain loads, no shared-memory pipeline: a Triton
-num_stages pipeline issued the next tile's copies only after this tile's stores (checked in the sm_90
-PTX), which left each program idle for a full memory latency per tile.
+The row-tile kernels are persistent: as many programs as the GPU keeps resident (the driver's occupancy
+figure for the compiled kernel), so all run in one wave; each walks tiles pid, pid + programs, ... in a
+loop software-pipelined over NUM_STAGES (4): the loads of the next two or three tiles go to shared
+memory asynchronously while this one is reduced and stored, so every program keeps memory busy. (With 2 stages
+Triton issues the next tile's copies only after this tile's stores, checked in the sm_90 PTX: each
+program then waits a full memory latency per tile, which is what held the first version back.)
 """
 from __future__ import annotations
 
@@ -279,7 +279,8 @@ def _keep_mask_kernel(Out, M, N, seed, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 class Config(NamedTuple):
     """A launch shape: rows a tile, columns a tile (a chunk when chunked), warps, chunked or not, and the
-    software-pipeline stages of the tile loop (stages - 1 tiles' loads in flight while one is computed)."""
+    software-pipeline stages of the tile loop (stages - 2 tiles' loads, at least, in flight while one is
+    computed)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -289,10 +290,10 @@ class Config(NamedTuple):
 
 def _row_tile_config(width: int) -> Config:
     """8 elements a thread (16-byte loads of bf16), tiles of at least 1024 elements (several narrow rows),
-    4 stages. sm_90 builds (Triton 3.6, bf16, LayerNorm / RMSNorm): forward 48-54 / 40-50 registers, so
-    1024-wide rows keep 10-12 programs an SM and 8192-wide rows one of 32 warps; backward 61-80 / 53-72
-    registers, 64 at 8192 (no spills). Each program then has about two tiles' loads in flight: 60-200 KB an
-    SM. bench/fused.py sweeps the neighbours of these choices."""
+    4 stages. The sm_90 builds (Triton 3.6, bf16 with bf16 weights, no dropout) use 48-53 registers in the
+    LayerNorm forward, 40-62 in the RMSNorm one, 64-85 and 60-64 in the backwards, and do not spill: 768-
+    and 1024-wide rows keep 7-12 programs an SM, 8192-wide rows one of 32 warps, and with two or three tiles
+    in flight a program that is 60-200 KB of loads in flight an SM. bench/fused.py sweeps the neighbours."""
     block_n = max(16, triton.next_power_of_2(width))
     block_m = max(1, min(64, 1024 // block_n))
     return Config(block_m, block_n, max(1, min(32, block_m * block_n // 256)))
