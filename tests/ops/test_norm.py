@@ -473,3 +473,17 @@ def test_gpu_dropout_and_fp32_residual(kind, device):
     check_against_float64(x, r, w, b, kind=kind, residual_dtype=torch.float32, dropout_p=0.1, seed=31337,
                           mask=mask)
     assert abs(mask.float().mean().item() - 0.9) < 5 * math.sqrt(0.09 / mask.numel())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 1000])
+@pytest.mark.parametrize("width", [768, 4096, 8192])
+def test_gpu_pipelined_loops_with_few_tiles(rows, width, device):
+    """Fewer tiles a program than pipeline stages (1 and 3 rows: one tile each; 1000 rows: a handful), the
+    compiled pipeline's prologue and its predicated-off copies; and dropout with an fp32 residual stream."""
+    for kind in norm.NORM_KINDS:
+        x, r, w, b = make(rows, width, torch.bfloat16, device=device, seed=rows + width)
+        check_against_float64(x, r, w.float(), b.float(), kind=kind)
+    x, r, w, b = make(rows, width, torch.bfloat16, res_dtype=torch.float32, device=device, seed=rows)
+    check_against_float64(x, r, w, b, kind="layernorm", residual_dtype=torch.float32, dropout_p=0.2, seed=5,
+                          mask=keep_mask(rows, width, 0.2, 5, device=device))
