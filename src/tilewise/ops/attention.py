@@ -43,6 +43,7 @@ Conventions (the flash-attn ones):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -752,11 +753,36 @@ def _tma_layout_ok(t, packed) -> bool:
     return packed or t.shape[0] == 1 or t.stride(0) == t.shape[1] * row_stride
 
 
+def _descriptor_defaults():
+    """The default fields of Triton's TensorDescriptor dataclass, or None where it is not one."""
+    try:
+        fields = dataclasses.fields(TensorDescriptor)
+    except TypeError:
+        return None
+    names = {f.name for f in fields}
+    if not {"base", "shape", "strides", "block_shape"} <= names:
+        return None
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    return defaults if len(defaults) + 4 == len(fields) else None
+
+
+_DESC_DEFAULTS = _descriptor_defaults() if TensorDescriptor is not None else None
+
+
 def _descriptor(t, packed, block_rows):
-    """The (rows, heads * head_dim) view of t as a host TMA descriptor with (block_rows, head_dim) tiles."""
+    """The (rows, heads * head_dim) view of t as a host TMA descriptor with (block_rows, head_dim) tiles.
+    _tma_layout_ok has checked what TensorDescriptor's __post_init__ checks (16-byte alignment, unit last
+    stride, non-empty), so the fields are filled directly: the checks cost more host time than the rest of
+    a launch."""
     rows = t.shape[0] if packed else t.shape[0] * t.shape[1]
     d = t.shape[-1]
-    return TensorDescriptor(t, [rows, t.shape[-2] * d], [t.stride(-3), 1], [block_rows, d])
+    shape, strides, block = [rows, t.shape[-2] * d], [t.stride(-3), 1], [block_rows, d]
+    if _DESC_DEFAULTS is None:
+        return TensorDescriptor(t, shape, strides, block)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESC_DEFAULTS)
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, block
+    return desc
 
 
 def _lse_strides(heads, seqlen_q, total, packed):
@@ -943,24 +969,27 @@ def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, 
 
 class FlashAttnFunction(torch.autograd.Function):
     """Forward and backward of flash attention for eager calls: the launchers run directly, with no op
-    dispatch on the host path. Under torch.compile flash_attention calls the custom op
-    tilewise::flash_attn_fwd instead, whose autograd formula (below) shares setup_context and calls the
-    backward op, so tracing sees two opaque ops."""
+    dispatch on the host path (and a forward(ctx, ...) without setup_context, which Function.apply would
+    bind through inspect.signature on every call). Under torch.compile flash_attention calls the custom op
+    tilewise::flash_attn_fwd instead, whose autograd formula (below) calls the backward op, so tracing sees
+    two opaque ops."""
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
-        return _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.args = (max_seqlen, softmax_scale, left, right)
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
+        out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
+        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right), (out, lse))
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         return _backward(ctx, dout, dlse, _attn_backward)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.args = (max_seqlen, softmax_scale, left, right)
 
 
 def _backward(ctx, dout, dlse, impl):
@@ -973,7 +1002,7 @@ def _backward(ctx, dout, dlse, impl):
 
 torch.library.register_autograd(
     "tilewise::flash_attn_fwd", lambda ctx, dout, dlse: _backward(ctx, dout, dlse, torch.ops.tilewise.flash_attn_bwd),
-    setup_context=FlashAttnFunction.setup_context)
+    setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
