@@ -41,8 +41,9 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.con
 @triton.jit
 def _bias_gelu_bwd_kernel(DY, X, B, DX, DBp, M, N, n_tiles, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Row tiles pid, pid + programs, ... of column block pid1, software-pipelined (NUM_STAGES - 1 tiles'
-    loads in flight); the bias gradient summed per column in registers, one row of partials a program."""
+    """Row tiles pid, pid + programs, ... of column block pid1, software-pipelined (the next tiles' loads
+    in flight while one computes); the bias gradient summed per column in registers, one row of partials a
+    program."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -136,10 +137,10 @@ def _bias_gelu_backward(dy, x, bias):
     args = [dy, x, bias if has_bias else x, dx, torch.float32 if has_bias else dx, M, N, n_tiles]
     meta = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=4, num_warps=warps, num_stages=4)
     programs = resident_programs(_bias_gelu_bwd_kernel, args, meta, n_tiles, x.device, n_col)
-    dbp = torch.empty((programs if has_bias else 0, N), dtype=torch.float32, device=x.device)
-    args[4] = dbp if has_bias else dx
+    if has_bias:
+        args[4] = dbp = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     _bias_gelu_bwd_kernel[(programs, n_col)](*args, **meta)
-    return dx, (dbp.sum(0) if has_bias else dbp.new_empty(0))
+    return dx, (dbp.sum(0) if has_bias else dx.new_empty(0, dtype=torch.float32))
 
 
 def _swiglu_forward(gu):
