@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -202,7 +203,7 @@ def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_
                 out_fwd = lambda: fn(q, k, v, causal)  # noqa: E731
                 ms_f = triton.testing.do_bench(out_fwd, warmup=25, rep=rep, return_mode="median")
                 out = fn(q, k, v, causal)
-                bwd = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
+                bwd = functools.partial(out.backward, dout, retain_graph=True)
                 ms_b = triton.testing.do_bench(bwd, warmup=25, rep=rep, grad_to_none=[q, k, v],
                                                return_mode="median")
                 host[name] = {"fwd": host_us(torch, out_fwd), "bwd": host_us(torch, bwd, [q, k, v])}

@@ -558,6 +558,21 @@ def test_gpu_tma_matches_pointer_path(tma):
 
 
 @pytest.mark.gpu
+def test_gpu_config_that_cannot_launch_is_skipped(tma, monkeypatch):
+    """A candidate far beyond the shared-memory limit (8 stages of 128 x 128 K/V tiles at head_dim 128)
+    fails to launch; the next candidate runs, and the failure is on record."""
+    tma("tma")
+    monkeypatch.setenv("TILEWISE_ATTN_CONFIGS", "fwd=128,128,8,8/128,64,8,3")
+    attn.reset_tuning()
+    try:
+        check(*qkv(1, 512, 512, 4, 4, 128, device="cuda"), causal=True)
+        (entry,) = attn.tuning_report()["fwd"]
+        assert entry["chosen"] == (128, 64, 8, 3) and isinstance(entry["ms"]["128,128,8,8"], str)
+    finally:
+        attn.reset_tuning()
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic(tma):
     tma("tma")
     q, k, v = qkv(2, 2048, 2048, 16, 4, 128, device="cuda")

@@ -1000,9 +1000,11 @@ def _backward(ctx, dout, dlse, impl):
     return dq, dk, dv, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "tilewise::flash_attn_fwd", lambda ctx, dout, dlse: _backward(ctx, dout, dlse, torch.ops.tilewise.flash_attn_bwd),
-    setup_context=_setup_context)
+def _op_backward(ctx, dout, dlse):
+    return _backward(ctx, dout, dlse, torch.ops.tilewise.flash_attn_bwd)
+
+
+torch.library.register_autograd("tilewise::flash_attn_fwd", _op_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
