@@ -191,7 +191,7 @@ def _keep(qpos, kpos, seqlen_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: 
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                 qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right, qk_scale,
-                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NEG_SCALE: tl.constexpr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SIGN: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i is in the scaled base-2 domain; the row maximum is taken
@@ -208,17 +208,23 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
         s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16)
         if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            if NEG_SCALE:  # a negative scale turns the largest score into the smallest raw one
-                ext = tl.min(tl.where(keep, s, float("inf")), 1)
-            else:
-                ext = tl.max(tl.where(keep, s, float("-inf")), 1)
-            # a row with no key in this block contributes -inf (never inf * 0 = NaN when the scale is 0)
-            m_blk = tl.where((ext == float("inf")) | (ext == float("-inf")), float("-inf"), ext * qk_scale)
-            m_new = tl.maximum(m_i, m_blk)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
-            p = tl.where(keep, tl.math.exp2(s * qk_scale - m_use[:, None]), 0.0)
+            if SIGN > 0:  # masked scores -inf: their exp2 is 0, no second select
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
+                p = tl.math.exp2(s * qk_scale - m_use[:, None])
+            else:  # a negative scale turns the largest score into the smallest raw one; zero must not
+                # meet a masked -inf (inf * 0 = NaN)
+                if SIGN < 0:
+                    ext = tl.min(tl.where(keep, s, float("inf")), 1)
+                else:
+                    ext = tl.max(tl.where(keep, s, float("-inf")), 1)
+                m_blk = tl.where((ext == float("inf")) | (ext == float("-inf")), float("-inf"), ext * qk_scale)
+                m_new = tl.maximum(m_i, m_blk)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.where(keep, tl.math.exp2(s * qk_scale - m_use[:, None]), 0.0)
         else:
-            if NEG_SCALE:
+            if SIGN < 0:
                 m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -241,7 +247,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
               seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, left, right, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, NEG_SCALE: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SIGN: tl.constexpr,
               DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
@@ -279,16 +285,16 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     kv_col = hk * HEAD_DIM
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_lo, inner_hi, sk, left, right, qk_scale,
-                                False, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                False, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
                                 DOT_PREC, EMU_BF16)
     if HAS_LEFT:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                     qpos, offs_n, offs_d, lo, inner_lo, sk, left, right, qk_scale,
-                                    True, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                    True, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
                                     DOT_PREC, EMU_BF16)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_hi, hi, sk, left, right, qk_scale,
-                                True, HAS_LEFT, HAS_RIGHT, NEG_SCALE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
+                                True, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA,
                                 DOT_PREC, EMU_BF16)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
@@ -557,7 +563,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
 # path. BLOCK_M 64 entries serve short sequences, where more, shorter programs fill the GPU better.
 # H200: 227 KB of shared memory per block, 64K registers per SM.
 CONFIGS = {
-    "fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
+    "fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3, "tma"), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)],
             128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma"),
                   (128, 128, 8, 3, "tma")],
             256: [(128, 32, 8, 2), (64, 64, 8, 2, "tma"), (128, 64, 8, 2, "tma")]},
@@ -867,7 +873,7 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
 
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
-    consts["NEG_SCALE"] = softmax_scale < 0
+    consts["SIGN"] = (softmax_scale > 0) - (softmax_scale < 0)
     key = (_bucket(max_q, max_k), q.dtype, *consts.values())
     _run(_FWD, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
