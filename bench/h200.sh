@@ -17,9 +17,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/tests.log" 2>&1 ;;
+    tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} > "$OUT/tests.log" 2>&1 ;;
     attention|fused|cross_entropy|fp8|dataloader|checkpoint|e2e)
-      timeout 300 python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} > "$OUT/$stage.log" 2>&1 ;;
+      timeout ${BENCH_TIMEOUT:-300} python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} > "$OUT/$stage.log" 2>&1 ;;
     train124m|train124m-ref)   # the trainer on GPT-2 124M: Triton ops (auto) or the PyTorch reference ops
       ops=auto; [ "$stage" = train124m-ref ] && ops=reference
       TILEWISE_OPS=$ops timeout ${TRAIN_TIMEOUT:-300} python3 -m tilewise train --preset gpt2-124m \
