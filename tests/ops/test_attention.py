@@ -333,6 +333,17 @@ def test_batch_split_over_grid_launches(device, tma, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ config choice
 
+def test_fast_descriptor_matches_the_constructor():
+    """Descriptors are filled without TensorDescriptor's checks (the layout test made them): the same fields."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    t = _rand(2, 24, 3, 32, dtype=torch.bfloat16, device="cpu")
+    assert attn._tma_layout_ok(t, False)
+    fast, ref = attn._descriptor(t, False, 64), TensorDescriptor(t, [48, 96], [96, 1], [64, 32])
+    assert type(fast) is TensorDescriptor and fast.base is t
+    for name in ("shape", "strides", "block_shape", "padding"):
+        assert getattr(fast, name) == getattr(ref, name)
+
+
 def test_config_tables(monkeypatch):
     """Each head_dim class has its own candidates (the interpreter runs one small config instead);
     TILEWISE_ATTN_CONFIGS replaces a kernel's list, and a malformed value is a ValueError."""

@@ -759,17 +759,27 @@ def _tma_layout_ok(t, packed) -> bool:
     return packed or t.shape[0] == 1 or t.stride(0) == t.shape[1] * row_stride
 
 
+def _fast_descriptor(defaults, t, shape, strides, block):
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(defaults)
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, block
+    return desc
+
+
 def _descriptor_defaults():
-    """The default fields of Triton's TensorDescriptor dataclass, or None where it is not one."""
+    """The default fields of this Triton's TensorDescriptor dataclass, if filling them directly gives what
+    its constructor gives (checked once on a small CPU tensor); else None and the constructor is used."""
     try:
         fields = dataclasses.fields(TensorDescriptor)
-    except TypeError:
+        defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+        t = torch.empty(16, 16, dtype=torch.bfloat16)
+        ref = TensorDescriptor(t, [16, 16], [16, 1], [16, 16])
+        fast = _fast_descriptor(defaults, t, [16, 16], [16, 1], [16, 16])
+        same = all(getattr(fast, f.name) is getattr(ref, f.name) or getattr(fast, f.name) == getattr(ref, f.name)
+                   for f in fields)
+        return defaults if same and type(fast) is type(ref) else None
+    except Exception:  # noqa: BLE001 - not a plain dataclass in this Triton: use the constructor
         return None
-    names = {f.name for f in fields}
-    if not {"base", "shape", "strides", "block_shape"} <= names:
-        return None
-    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-    return defaults if len(defaults) + 4 == len(fields) else None
 
 
 _DESC_DEFAULTS = _descriptor_defaults() if TensorDescriptor is not None else None
@@ -785,10 +795,7 @@ def _descriptor(t, packed, block_rows):
     shape, strides, block = [rows, t.shape[-2] * d], [t.stride(-3), 1], [block_rows, d]
     if _DESC_DEFAULTS is None:
         return TensorDescriptor(t, shape, strides, block)
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(_DESC_DEFAULTS)
-    desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, block
-    return desc
+    return _fast_descriptor(_DESC_DEFAULTS, t, shape, strides, block)
 
 
 def _lse_strides(heads, seqlen_q, total, packed):
