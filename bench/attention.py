@@ -8,10 +8,10 @@ The last row is the memory check: forward + backward at seqlen 131072, batch 1, 
 peak memory beyond inputs, outputs and gradients (limit 1 GB).
 
 Tuning comes with the measurement: tilewise times its candidate configs on the first call of every
-(head_dim, mask, sequence-length class) key, so each shape row records the chosen config and the time of
-every candidate of the three kernels ("tuning"). --sweep (or TILEWISE_BENCH_SWEEP=1) widens the candidate
-lists (more compiles: use it with --quick, or a larger --budget). Each row also records the host time of
-one call ("host_us"): when it exceeds the timed GPU time, the shape is launch-bound, not kernel-bound.
+(head_dim, mask, sequence-length class) key, so the JSON's "details" hold, per shape, the chosen config and
+the time of every candidate of the three kernels ("tuning"). --sweep (or TILEWISE_BENCH_SWEEP=1) widens the
+candidate lists (more compiles: use it with --quick, or a larger --budget). "details" also hold each
+provider's host time per call ("host_us"): when it exceeds the timed time, the shape is launch-bound.
 
     PYTHONPATH=src python3 bench/attention.py --out DIR [--quick] [--sweep]
 """
@@ -167,7 +167,7 @@ def host_us(torch, fn, grads=()):
     return round(seconds / HOST_CALLS * 1e6, 1)
 
 
-def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_ptr):
+def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_ptr, details):
     heads, batch = WIDTH // head_dim, TOKENS // seqlen
     shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal,
              "dtype": "bf16"}
@@ -232,10 +232,11 @@ def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_
             row["rel_diff_vs_sdpa_flash"] = diffs
         if notes:
             row["notes"] = notes
-        row["host_us"] = {n: h[direction] for n, h in host.items()}
-        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq")
-        row["tuning"] = {kern: tuned[kern] for kern in kernels if tuned.get(kern)}
         rows.append(row)
+        # Details stay out of the rows (the README table shows every row key): host time, tuning.
+        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq")
+        details.append({"shape": row["shape"], "host_us": {n: h[direction] for n, h in host.items()},
+                        "tuning": {kern: tuned[kern] for kern in kernels if tuned.get(kern)}})
     return rows
 
 
@@ -305,11 +306,12 @@ def commit():
         return os.environ.get("TILEWISE_COMMIT", "unknown")
 
 
-def tuning_lines(rows):
-    """Per shape: the config each tilewise kernel chose and its time against the best other candidate."""
-    lines = ["tilewise configs chosen (BLOCK_M,BLOCK_N,warps,stages: ms; runner-up)"]
-    for r in rows:
-        if not r.get("tuning"):
+def tuning_lines(details):
+    """Per shape: the config each tilewise kernel chose and its time against the best other candidate, and
+    the host time of one tilewise call."""
+    lines = ["tilewise configs chosen (BLOCK_M,BLOCK_N,warps,stages: ms; runner-up), host us per call"]
+    for r in details:
+        if not r.get("tuning") and not r.get("host_us"):
             continue
         s = r["shape"]
         parts = []
@@ -322,6 +324,8 @@ def tuning_lines(rows):
                 best = f"{times[0][0]:.3f}" if times else "-"
                 second = f"; {times[1][1]} {times[1][0]:.3f}" if len(times) > 1 else ""
                 parts.append(f"{kern}/{tma} {chosen}: {best}{second}" + (f" ({failed} failed)" if failed else ""))
+        host = r.get("host_us", {}).get("tilewise")
+        parts.append(f"host {host} us" if host is not None else "host -")
         lines.append(f"  d={s['head_dim']} N={s['seqlen']} causal={s['causal']} {s['pass']}: " + " | ".join(parts))
     return lines
 
@@ -342,7 +346,7 @@ def main(argv=None):
                 attn.set_candidates(kern, configs, head_dim)
     provs = providers(torch, F)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
-    rows, default_failed = [], False
+    rows, details, default_failed = [], [], False
     for i, (head_dim, seqlen, causal) in enumerate(shapes):
         if time.monotonic() - t0 > args.budget:
             for direction in ("fwd", "bwd"):
@@ -353,7 +357,7 @@ def main(argv=None):
         # The pointer path also runs wherever the default path has failed, so a broken TMA build still
         # leaves numbers for the kernels.
         with_ptr = (head_dim, seqlen, causal) in PTR_SHAPES or default_failed
-        new = bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, args.rep, with_ptr=with_ptr)
+        new = bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, args.rep, with_ptr, details)
         default_failed = default_failed or any(r.get("tilewise") is None for r in new)
         rows += new
         print(f"[{time.monotonic() - t0:6.1f}s] d={head_dim} N={seqlen} causal={causal} done", flush=True)
@@ -372,7 +376,7 @@ def main(argv=None):
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
               "seconds": round(time.monotonic() - t0, 1), "sweep": args.sweep,
               "tma_fallbacks": [{"kernel": k, "key": str(key), "error": e} for k, key, e in attn.fallbacks],
-              "rows": rows}
+              "rows": rows, "details": details}
     text = json.dumps(result, indent=1)
     targets = [Path(__file__).resolve().parent / "results"]
     if args.out is not None:
@@ -383,7 +387,7 @@ def main(argv=None):
             (d / "attention.json").write_text(text + "\n")
         except OSError as e:
             print(f"could not write {d / 'attention.json'}: {e}", file=sys.stderr)
-    print("\n".join(tuning_lines(rows)))
+    print("\n".join(tuning_lines(details)))
     for k, key, e in attn.fallbacks:
         print(f"TMA fallback: {k} {key}: {e}")
     print(table(rows))
