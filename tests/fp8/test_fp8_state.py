@@ -151,3 +151,18 @@ def test_amax_reduction_across_ranks_is_max_and_skips_nan(tmp_path):
     assert r0["skipped"].tolist() == [0, 1, 1, 0]
     assert r0["scale"].tolist() == [448.0 / 4.0, 1.0, 1.0, 57344.0 / 0.5]
     assert not any(math.isnan(v) for v in r0["scale"].tolist())
+
+
+def test_gemm_scale_views_are_16_byte_aligned():
+    """cuBLASLt (torch._scaled_mm) rejects scale pointers that are not 16-byte aligned: every slot's view
+    of scale_inv must start a 16-byte block, also after .to() and load_state_dict."""
+    state = Fp8State.for_linears("delayed", ["a", "b", "c"])
+    for copy in (state, Fp8State.for_linears("delayed", ["a", "b", "c"]).to("cpu")):
+        for slot in range(copy.num_tensors):
+            scale, scale_inv, _ = copy.views(slot)
+            assert scale.data_ptr() % 16 == 0 and scale_inv.data_ptr() % 16 == 0
+    state.scale_inv.fill_(3.0)
+    other = Fp8State.for_linears("delayed", ["a", "b", "c"])
+    other.load_state_dict(state.state_dict())
+    assert torch.equal(other.views(4)[1], torch.tensor([3.0]))
+    assert other.views(4)[1].data_ptr() % 16 == 0

@@ -209,13 +209,14 @@ def run_tiles(x, fp8_dtype, scale, tiles, current, margin=0):
     y, yt = nan_fp8((M, N), fp8_dtype, dev), nan_fp8((N, M), fp8_dtype, dev)
     sums = torch.full((N,), float("nan"), device=dev)
     amax = torch.zeros(1, device=dev)
-    scratch = torch.zeros(3, device=dev)  # [amax bits of the amax pass, scale, 1/scale]
+    scratch = fp8_cast_module.current_scratch(dev)  # [amax bits of the amax pass, scale, 1/scale], 16-byte spaced
     if current:
         assert fp8_cast_module._launch_amax(x, scratch[:1].view(torch.int32))
     assert fp8_cast_module._launch_cast(x, y, yt, scale, scratch[:1].view(torch.int32) if current else None,
-                                        scratch[1:] if current else None, amax.view(torch.int32), sums, fp8_dtype,
+                                        scratch[fp8_cast_module.SCALE_INV_OFFSET:] if current else None,
+                                        amax.view(torch.int32), sums, fp8_dtype,
                                         margin, current, tiles=tiles)
-    return y, yt, sums, amax, scratch[1:]
+    return y, yt, sums, amax, fp8_cast_module.current_scales(scratch)
 
 
 def mismatch(a, b):
@@ -357,3 +358,14 @@ def test_gpu_every_config_and_autotuner_reruns(current, shape):
     for run in [[t] for t in tiles] + [tiles, tiles[::-1]]:
         problems += [f"tiles {run}: {p}" for p in check_tiles(x, torch.float8_e4m3fn, run, current)]
     assert not problems, f"{shape} current={current}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("triton_path", [True, False])
+def test_current_scales_are_16_byte_aligned(device, triton_path):
+    """cuBLASLt (torch._scaled_mm) rejects scale pointers that are not 16-byte aligned."""
+    x = torch.randn(64, 48, device=device)
+    with ops.use("triton" if triton_path else "reference"):
+        _, _, scales = fp8_cast_current(x, torch.float8_e4m3fn, torch.ones(1, device=device))
+    assert scales.shape == (2,)
+    assert scales[1:2].data_ptr() % 16 == 0
+    assert torch.allclose(scales[0] * scales[1], torch.ones((), device=device))

@@ -38,9 +38,15 @@ def _cast(state: Fp8State, slot: int, x2: torch.Tensor, rowwise: bool, transpose
     if state.recipe.scaling == "current" or not state.warm:
         y, yt, scales = cast_current(x2, dtype, scale, state.recipe.margin, amax, rowwise, transpose,
                                      col_sums=col_sums)
-        return y, yt, scales[1:2]
+        return y, yt, scales[1:2]  # 1/scale, 16-byte aligned (see current_scales)
     y, yt = cast_delayed(x2, dtype, scale, amax, rowwise, transpose, col_sums=col_sums)
     return y, yt, scale_inv
+
+
+def _aligned(scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on the
+    H200). Fp8State and the current-scaling cast lay their scales out aligned; anything else is copied."""
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
 def _scaled_gemm(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
@@ -49,6 +55,7 @@ def _scaled_gemm(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
     _scaled_mm adds a bias only for a 16-bit output, so an fp32 output gets it afterwards.
     """
     fused_bias = bias is not None and out_dtype != torch.float32
+    a_inv, b_inv = _aligned(a_inv), _aligned(b_inv)
     y = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, bias=bias.to(out_dtype) if fused_bias else None,
                          out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None and not fused_bias:

@@ -18,6 +18,12 @@ from .recipe import Fp8Recipe, as_recipe, fp8_max
 _PERSISTENT = ("amax_history", "scale", "scale_inv", "skipped", "steps")
 
 
+def _aligned_vector(n: int, device) -> torch.Tensor:
+    """A float32 (n,) vector of ones whose every element starts a 16-byte block (a strided view of (n, 4)):
+    the one-element views of scale_inv go to torch._scaled_mm, whose cuBLASLt scales must be 16-byte aligned."""
+    return torch.ones(n, 4, dtype=torch.float32, device=device)[:, 0]
+
+
 class Fp8State:
     """Amax histories, scales and counters of `len(dtypes)` scaled tensors, all on one device.
 
@@ -38,8 +44,8 @@ class Fp8State:
         T, H = len(self.dtypes), self.recipe.history_len
         device = torch.device(device if device is not None else "cpu")
         self.amax_history = torch.zeros(H, T, dtype=torch.float32, device=device)
-        self.scale = torch.ones(T, dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones(T, dtype=torch.float32, device=device)
+        self.scale = _aligned_vector(T, device)
+        self.scale_inv = _aligned_vector(T, device)
         self.skipped = torch.zeros(T, dtype=torch.int64, device=device)
         self.steps = torch.zeros((), dtype=torch.int64, device=device)
         self.fp8_max = torch.tensor([fp8_max(d) for d in self.dtypes], dtype=torch.float32, device=device)
@@ -73,7 +79,12 @@ class Fp8State:
         device = torch.device(device)
         if device != self.device:
             for name in _PERSISTENT + ("fp8_max",):
-                setattr(self, name, getattr(self, name).to(device))
+                value = getattr(self, name)
+                if name in ("scale", "scale_inv"):
+                    moved = _aligned_vector(value.numel(), device)
+                    moved.copy_(value)
+                    value = moved
+                setattr(self, name, value.to(device))
             self._views.clear()
             self.generation += 1
         return self

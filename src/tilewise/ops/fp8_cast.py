@@ -96,7 +96,8 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
         scale = tl.where(ok, fresh, fallback)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_out_ptr, scale)
-            tl.store(scale_out_ptr + 1, tl.math.div_rn(1.0, scale))
+            # 1/scale four floats on (SCALE_INV_OFFSET): GEMM scales must sit at 16-byte aligned addresses
+            tl.store(scale_out_ptr + 4, tl.math.div_rn(1.0, scale))
             if ACC_AMAX:
                 tl.atomic_max(amax_acc_ptr, amax_bits)
     else:
@@ -345,6 +346,20 @@ def fp8_cast_current(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwi
     return cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose, out, out_t, col_sums)
 
 
+# Current scaling's scratch: [amax bits, pad x3, scale, pad x3, 1/scale, pad x3]. Each value starts a
+# 16-byte block because torch._scaled_mm (cuBLASLt) rejects scale pointers that are not 16-byte aligned.
+SCALE_INV_OFFSET = 4
+
+
+def current_scratch(device) -> torch.Tensor:
+    return torch.zeros(3 * SCALE_INV_OFFSET, dtype=torch.float32, device=device)
+
+
+def current_scales(scratch: torch.Tensor) -> torch.Tensor:
+    """The (2,) [scale, 1/scale] view of a scratch buffer; each element 16-byte aligned."""
+    return scratch[SCALE_INV_OFFSET::SCALE_INV_OFFSET]
+
+
 # Unchecked entry points for callers whose arguments are well-formed by construction (Fp8Linear calls these
 # on every step; the checks above cost more host time than the launch).
 def cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out=None, out_t=None, col_sums=None):
@@ -362,11 +377,11 @@ def cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose,
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
     if use_triton(x) and x.numel() > 0:
         xc = x.contiguous()
-        scratch = torch.zeros(3, dtype=torch.float32, device=x.device)  # [amax bits, scale, 1/scale]
+        scratch = current_scratch(x.device)
         if _launch_amax(xc, scratch[:1].view(torch.int32)) and _launch_cast(
-                xc, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[1:],
+                xc, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[SCALE_INV_OFFSET:],
                 amax.view(torch.int32) if amax is not None else None, col_sums, fp8_dtype, margin, current=True):
-            return y, yt, scratch[1:]
+            return y, yt, current_scales(scratch)
     return fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin, amax=amax, rowwise=rowwise,
                                       transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
 
@@ -407,4 +422,6 @@ def fp8_cast_current_reference(x, fp8_dtype, fallback_scale, *, margin=0, amax=N
     scale = current_scale_reference(cur, FP8_MAX[fp8_dtype], margin, fallback_scale.reshape(()))
     y, yt = fp8_cast_reference(x, fp8_dtype, scale.reshape(1), amax=amax, rowwise=rowwise, transpose=transpose,
                                out=out, out_t=out_t, col_sums=col_sums)
-    return y, yt, torch.stack([scale, scale.reciprocal()])
+    scales = current_scales(current_scratch(x.device))
+    scales.copy_(torch.stack([scale, scale.reciprocal()]))
+    return y, yt, scales
