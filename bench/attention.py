@@ -22,10 +22,10 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+from common import git_commit
 
 AGREE_TOL = 2e-2  # relative error norm between two bf16 attentions (each ~3e-3 from the exact result)
 TOKENS, WIDTH = 16384, 2048
@@ -297,15 +297,6 @@ def table(rows):
     return "\n".join(lines)
 
 
-def commit():
-    """`git rev-parse HEAD`, else $TILEWISE_COMMIT (a copy of the tree without .git), else 'unknown'."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except Exception:
-        return os.environ.get("TILEWISE_COMMIT", "unknown")
-
-
 def tuning_lines(details):
     """Per shape: the config each tilewise kernel chose and its time against the best other candidate, and
     the host time of one tilewise call."""
@@ -372,7 +363,7 @@ def main(argv=None):
                              "within_limit": False, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             torch.cuda.empty_cache()
     result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": commit(),
+              "triton": triton.__version__, "commit": git_commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
               "seconds": round(time.monotonic() - t0, 1), "sweep": args.sweep,
               "tma_fallbacks": [{"kernel": k, "key": str(key), "error": e} for k, key, e in attn.fallbacks],

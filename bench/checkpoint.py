@@ -27,13 +27,13 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from common import git_commit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,14 +50,6 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (the benchmark) or cpu (a smoke run of the script with a tiny model)")
     return p.parse_args(argv)
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def init_world(device: str) -> None:

@@ -23,11 +23,11 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
+from common import git_commit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AREA = "cross_entropy"
@@ -41,14 +41,6 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="plain CE and the 16384 x 768 fused case only")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time in ms")
     return p.parse_args(argv)
-
-
-def git_sha():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def load_peers():
@@ -270,7 +262,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
 
     result = {"area": AREA, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": git_sha(), "date": datetime.date.today().isoformat(),
+              "triton": triton.__version__, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "quick": args.quick, "copy_GBps": copy_bw,
               "missing": {"liger_kernel": liger_missing} if liger_missing else {}, "rows": rows}
     text = json.dumps(result, indent=1)

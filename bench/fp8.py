@@ -25,12 +25,12 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn as nn
+from common import git_commit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = [  # (model, in_features, out_features); the 8B-class first, so a tight time budget keeps them
@@ -56,16 +56,6 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (the benchmark) or cpu (a smoke run of the script: dims / 16, 64 tokens, host timer)")
     return p.parse_args(argv)
-
-
-def git_commit():
-    """HEAD of the checkout, else $TILEWISE_COMMIT (a copied tree without .git), else None."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    return sha or os.environ.get("TILEWISE_COMMIT") or None
 
 
 def load_torchao():

@@ -32,10 +32,9 @@ import argparse
 import datetime
 import json
 import os
-import re
-import subprocess
 import sys
 import time
+from common import git_commit
 
 NORM_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
 QUICK_NORM_SHAPES = [(16384, 4096), (65536, 768)]
@@ -96,7 +95,7 @@ class Bench:
         self.liger = self._import_liger()
         self.results = {
             "area": "fused", "gpu": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "commit": _commit(),
+            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
             "date": datetime.date.today().isoformat(),
             "peers": {"liger_kernel": self.liger[0] if self.liger else None},
             "notes": "fwd rows: GB/s (higher is better), ratio_best_peer = tilewise / best peer; fwd+bwd rows: "
@@ -538,20 +537,6 @@ class Bench:
                   + " ".join(num(row.get(c), "13.3f" if row["unit"] == "ms" else "13.0f", 13) for c in cols)
                   + f" {num(row.get('ratio_best_peer'), '6.2f', 6)} {num(row.get('tilewise_frac_copy'), '7.1%', 7)}"
                   + f" {('yes' if target else 'NO') if target is not None else '':>6s}")
-
-
-def _commit():
-    """git rev-parse HEAD; TILEWISE_COMMIT where the copy has no .git (git then fails, or prints 'HEAD')."""
-    sha = ""
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        if done.returncode == 0:
-            sha = done.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if not re.fullmatch(r"[0-9a-f]{7,40}", sha):
-        sha = os.environ.get("TILEWISE_COMMIT", "").strip() or "unknown"
-    return sha
 
 
 if __name__ == "__main__":
