@@ -1,7 +1,7 @@
 """Regenerate the README's benchmark tables from bench/results/*.json (never edit those tables by hand).
 
 Each results file has {"area", "gpu", "torch", "triton", "commit", "date", "rows": [...]}; every row has a
-"shape" dict and numeric columns. The table shows every key of the rows in first-seen order.
+"shape" dict and numeric columns. The table shows the rows' keys in first-seen order, less nested details.
 
     python bench/tables.py            # rewrites the block between the bench-tables markers in README.md
     python bench/tables.py --check    # exits 1 if README.md is out of date
@@ -35,6 +35,10 @@ def table(result: dict) -> str:
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
+    # Detail columns (nested values other than the shape, or never filled) stay in the JSON only.
+    columns = [c for c in columns if c == "shape" or (
+        any(row.get(c) is not None for row in rows)
+        and not any(isinstance(row.get(c), (dict, list)) for row in rows))]
     lines = [f"### {result.get('area', '?')}",
              f"{result.get('gpu', '?')}, torch {result.get('torch', '?')}, triton {result.get('triton', '?')}, "
              f"commit {str(result.get('commit', '?'))[:10]}, {result.get('date', '?')}. "
