@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs tilewise into it, editable, with the test extra.
+# Creates .venv (once) and installs tilewise into it, editable; `setup.sh dev` adds the test extra.
 # TILEWISE_TORCH picks the torch to install when the venv has none (default: torch==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +9,4 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "${TILEWISE_TORCH:-torch==2.13.0}"
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${1:+[$1]}"

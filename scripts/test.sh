@@ -3,5 +3,5 @@
 # Extra arguments go to pytest (e.g. -m gpu on a GPU machine, -k attention).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh dev
 exec .venv/bin/python -m pytest -q "$@"
