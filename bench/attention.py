@@ -48,12 +48,13 @@ SWEEP = {
                   (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2)]},
     "dkdv": {64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 3),
                   (64, 64, 8, 3), (128, 128, 8, 2)],
-             128: [(32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 4),
-                   (64, 128, 8, 2), (64, 128, 8, 3)]},
+             128: [(32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 5), (32, 64, 4, 2),
+                   (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (16, 64, 4, 3), (16, 64, 4, 4),
+                   (16, 128, 4, 3), (32, 128, 8, 4), (64, 128, 8, 2)]},
     "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3),
                 (128, 64, 4, 3)],
-           128: [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2),
-                 (128, 32, 4, 3)]},
+           128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3),
+                 (128, 32, 4, 4), (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2)]},
 }
 
 
@@ -68,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the 128k memory row")
     p.add_argument("--sweep", action="store_true", default=os.environ.get("TILEWISE_BENCH_SWEEP", "0") == "1",
                    help="time the wider candidate lists (SWEEP) per shape (also TILEWISE_BENCH_SWEEP=1)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated indices into ALL_SHAPES, e.g. 0,6 (default: all, or the quick ones)")
     return p.parse_args(argv)
 
 
@@ -337,6 +340,8 @@ def main(argv=None):
                 attn.set_candidates(kern, configs, head_dim)
     provs = providers(torch, F)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
+    if args.shapes:
+        shapes = [ALL_SHAPES[int(i)] for i in args.shapes.split(",")]
     rows, details, default_failed = [], [], False
     for i, (head_dim, seqlen, causal) in enumerate(shapes):
         if time.monotonic() - t0 > args.budget:
