@@ -102,6 +102,8 @@ class TrainConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     compile: bool = False            # torch.compile the model
+    cuda_graphs: str = "auto"        # auto | true | false: replay each optimizer step as one CUDA graph
+                                     # (auto: on a single CUDA process without dropout; see tilewise/graphs.py)
     progress: bool = True
 
 

@@ -2,7 +2,9 @@
 
 One optimizer step consumes train.batch_size rows of model.seq_len tokens (the global batch, over all ranks),
 in train.grad_accum micro-batches; each rank reads batch_size // (world_size * grad_accum) rows of each.
-The loop syncs with the host only every log_every steps (to read the loss), never per step.
+The loop syncs with the host only every log_every steps (to read the loss), never per step. On one CUDA
+process, after a few eager steps, the whole optimizer step is captured as a CUDA graph and replayed
+(train.cuda_graphs; tilewise/graphs.py says what that takes and when it is refused).
 
 Under torchrun (distributed.strategy ddp, fsdp or hsdp; see tilewise/distributed.py) rank 0 prepares the
 data, prints, and writes metrics, config.json and summary.json; every rank writes its shard of each
@@ -29,6 +31,8 @@ from .checkpoint import Checkpointer, CheckpointError, read_manifest
 from .config import Config, ConfigError
 from .data import DataError, Prefetcher, TokenDataset, load_meta, prepare, unigram_val_loss
 from .distributed import Dist, full_value, init_distributed, parallelize, sync_context, unwrap
+from .graphs import WARMUP_STEPS, StepGraph, invalidate_fp8_weights, resolve as resolve_graphs
+from .graphs import graph_mode, uncaptured_optimizer_steps
 from .metrics import Metrics, peak_flops, plot_losses, write_json
 from .model import GPT
 
@@ -70,15 +74,50 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; the fused kernel where the parameters are on a GPU."""
+def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, *,
+                   lr: float | torch.Tensor | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; the fused kernel where the parameters are on a GPU.
+
+    lr: a 0-d device tensor makes the optimizer capturable in a CUDA graph: its step reads the learning rate
+    from the tensor, which the loop fills before each replay (fused AdamW takes a tensor lr)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)  # not offloaded
     extra = {"fused": True} if on_gpu else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), **extra)
+    if isinstance(lr, torch.Tensor):
+        if not on_gpu or lr.device.type != "cuda" or lr.numel() != 1:
+            raise ValueError(f"make_optimizer: a tensor lr (shape {tuple(lr.shape)} on {lr.device}) needs one "
+                             f"element on the GPU that holds every parameter")
+        extra["capturable"] = True
+    return torch.optim.AdamW(groups, lr=cfg.train.lr if lr is None else lr,
+                             betas=(cfg.train.beta1, cfg.train.beta2), **extra)
+
+
+def make_step(step_model, model, optimizer, fp8_state, autocast, grad_accum: int, grad_clip: float):
+    """The optimizer step as a function step(batch) -> (mean loss, gradient norm), both device tensors.
+
+    batch(k) gives micro-batch k as (inputs, targets). The eager loop and the CUDA graph capture run this same
+    function, so a replayed step is the eager step's kernels. step_model: model, or its torch.compile wrapper.
+    """
+    def step(batch):
+        loss_sum = None
+        for k in range(grad_accum):
+            x, y = batch(k)
+            with sync_context(model, k == grad_accum - 1):
+                with autocast():
+                    loss = step_model(x, y)
+                (loss / grad_accum).backward()
+            part = loss.detach() / grad_accum
+            loss_sum = part if loss_sum is None else loss_sum + part
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fp8_state is not None:
+            fp8_state.step()   # max-reduce this step's amaxes over the ranks, new scales, FP8 weights recast
+        return loss_sum, grad_norm
+    return step
 
 
 def rank_seed(seed: int, rank: int, step: int) -> int:
@@ -237,6 +276,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
                           f"{d.world_size} x train.grad_accum {t.grad_accum} = {d.world_size * t.grad_accum}: "
                           f"each rank reads batch_size // (world_size * grad_accum) rows per micro-batch")
     dtype = resolve_dtype(t.dtype, device)
+    use_graphs, graphs_notice = resolve_graphs(cfg, device, d.strategy)
     run_dir = t.out_dir
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                         async_save=cfg.checkpoint.async_save, timeout_s=float(cfg.distributed.timeout_s))
@@ -268,11 +308,14 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
         # The head matmul runs inside the fused cross-entropy, never through lm_head's forward.
         fp8_state = convert_to_fp8(model, recipe, skip=lambda name: name.endswith("lm_head"))
     model = parallelize(model, cfg, d, dtype)
-    optimizer = make_optimizer(model, cfg, device)
+    # Under CUDA graphs the learning rate is a device tensor, filled before every step (eager ones too).
+    lr_tensor = torch.full((), t.lr, dtype=torch.float32, device=device) if use_graphs else None
+    optimizer = make_optimizer(model, cfg, device, lr=lr_tensor)
     micro = t.batch_size // t.grad_accum          # rows of one micro-batch, over all ranks
     start_step, start_batch = 0, 0
     if resume:
-        state = restore(ckpt, resume_path, model, optimizer, fp8_state, d, t.seed)
+        with uncaptured_optimizer_steps():   # restore makes the optimizer state with one step
+            state = restore(ckpt, resume_path, model, optimizer, fp8_state, d, t.seed)
         start_step = state["step"]
         data = state["data"]
         rows = data["next_batch"] * data.get("batch_rows", micro)
@@ -298,32 +341,51 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
     metrics.print(f"tilewise: {params / 1e6:.2f}M parameters, vocab {real_vocab} (padded {cfg.model.vocab_size}), "
                   f"{train_set.num_tokens:,} train tokens, {where}, {str(dtype).replace('torch.', '')}"
                   f"{', fp8 ' + cfg.fp8.recipe if fp8_state is not None else ''}")
+    if graphs_notice:
+        metrics.print(graphs_notice)
 
     tokens_per_step = t.batch_size * seq
     loader = Prefetcher(train_set, micro, device, start_batch=start_batch)
+    step_fn = make_step(step_model, model, optimizer, fp8_state, autocast, t.grad_accum, t.grad_clip)
+    graph = None
+    if use_graphs:
+        graph = StepGraph(step_fn, t.grad_accum, micro // d.world_size, seq, device, model=model)
+    capture_step = start_step + WARMUP_STEPS   # a resumed run warms up again before it captures
+    wait_ms = 0.0
+
+    def next_batch(k):
+        nonlocal wait_ms
+        batch = loader.next()
+        wait_ms += loader.data_wait_ms
+        return batch
+
     loss_sum = torch.zeros((), device=device)
     val_loss = None
-    last_time, last_step, wait_ms = time.time(), start_step, 0.0
+    last_time, last_step = time.time(), start_step
     train_time = 0.0
     failed = True
     try:
         for step in range(start_step, t.max_steps):
             lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for k in range(t.grad_accum):
-                x, y = loader.next()
-                wait_ms += loader.data_wait_ms
-                with sync_context(model, k == t.grad_accum - 1):
-                    with autocast():
-                        loss = step_model(x, y)
-                    (loss / t.grad_accum).backward()
-                loss_sum += loss.detach() / t.grad_accum
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if fp8_state is not None:
-                fp8_state.step()   # max-reduce this step's amaxes over the ranks, new scales, FP8 weights recast
+            if lr_tensor is not None:
+                lr_tensor.fill_(lr)      # a kernel on the compute stream, ahead of the step: no host sync
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            if graph is None:
+                step_loss, grad_norm = step_fn(next_batch)
+            elif step < capture_step:
+                with uncaptured_optimizer_steps():
+                    step_loss, grad_norm = step_fn(next_batch)
+            else:
+                for k in range(t.grad_accum):
+                    graph.load(k, *next_batch(k))
+                if not graph.captured:
+                    graph = _capture(graph, cfg, metrics, step)
+                step_loss, grad_norm = graph.replay() if graph.captured else graph.run_eager()
+                if not graph.captured:   # the capture failed under auto: eager from here on
+                    graph = None
+            loss_sum += step_loss
             done = step + 1
             is_eval = done % t.eval_every == 0 or done == t.max_steps
             if done % t.log_every == 0 or is_eval:
@@ -342,6 +404,8 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
                           "step_ms": 1000 * elapsed / steps, "data_wait_ms": wait_ms / steps,
                           "mem_gb": memory_gb(device)}
                 if is_eval:
+                    if graph is not None:
+                        invalidate_fp8_weights(model)   # replays never bump the weights' _version
                     val_loss = evaluate(step_model, val_set, cfg, d, autocast)
                     record["val_loss"] = val_loss
                 metrics.log(record)
@@ -361,6 +425,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
             with contextlib.suppress(Exception):
                 ckpt.close()
     if val_loss is None:
+        invalidate_fp8_weights(model)
         val_loss = evaluate(step_model, val_set, cfg, d, autocast)
 
     steps_run = t.max_steps - start_step
@@ -373,12 +438,31 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
         if peak and train_time else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world_size": d.world_size, "strategy": d.strategy,
+        "cuda_graphs": graph is not None and graph.captured,
         "peak_mem_gb": memory_gb(device),
     }
     if d.is_main:
         write_json(os.path.join(run_dir, "summary.json"), summary)
         plot_losses(run_dir)
     return {**summary, "rank": d.rank}
+
+
+def _capture(graph: StepGraph, cfg: Config, metrics: Metrics, step: int) -> StepGraph:
+    """Capture the step whose batches are loaded. Under train.cuda_graphs=auto a failure is a notice, and the
+    graph stays uncaptured (the caller runs that step eagerly and every step after it)."""
+    start = time.time()
+    try:
+        graph.capture()
+    except Exception as e:
+        if graph_mode(cfg.train.cuda_graphs) == "on":
+            raise RuntimeError(f"CUDA graph capture of step {step + 1} failed: {type(e).__name__}: {e} "
+                               f"(set train.cuda_graphs=false to train eagerly)") from e
+        metrics.print(f"tilewise: CUDA graph capture failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                      f"training eagerly")
+        return graph
+    metrics.print(f"tilewise: CUDA graphs: step {step + 1} captured in {time.time() - start:.1f} s, replayed "
+                  f"from here on")
+    return graph
 
 
 def _save(ckpt: Checkpointer, step: int, model, optimizer, fp8_state, loader, micro: int, cfg: Config) -> None:
