@@ -17,12 +17,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def git_commit() -> str:
-    """HEAD's sha; TILEWISE_COMMIT where the tree has no .git (the GPU machine's copy)."""
+    """TILEWISE_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git), else HEAD's sha."""
+    if os.environ.get("TILEWISE_COMMIT"):
+        return os.environ["TILEWISE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("TILEWISE_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict:

@@ -33,6 +33,7 @@ VARIANTS = {   # name -> (config overrides, loss tolerance against "none")
     "hsdp": ({"distributed.strategy": "hsdp"}, 0.03),
     "fsdp_ac": ({"distributed.strategy": "fsdp", "distributed.activation_checkpointing": "true"}, 0.03),
     "fsdp_offload": ({"distributed.strategy": "fsdp", "distributed.cpu_offload": "true"}, 0.03),
+    "fp8": ({"fp8.recipe": '"delayed"'}, 0.06),
     "ddp_fp8": ({"distributed.strategy": "ddp", "fp8.recipe": '"delayed"'}, 0.06),
     "fsdp_fp8": ({"distributed.strategy": "fsdp", "fp8.recipe": '"delayed"'}, 0.06),
 }

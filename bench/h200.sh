@@ -4,6 +4,14 @@
 # dataloader, checkpoint, e2e, distributed, host_overhead, train124m (Triton ops), train124m-ref (PyTorch reference ops).  Example: bash bench/h200.sh tests attention fused
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# snapshot.tgz (`git archive -o snapshot.tgz HEAD`, carried beside the tree): run that commit's files, not the
+# live working tree, so a result belongs to exactly one commit.
+if [ -f snapshot.tgz ] && [ -z "${TILEWISE_SNAPSHOT:-}" ]; then
+  export TILEWISE_SNAPSHOT=/tmp/tilewise-snapshot
+  rm -rf "$TILEWISE_SNAPSHOT" && mkdir -p "$TILEWISE_SNAPSHOT" && tar xzf snapshot.tgz -C "$TILEWISE_SNAPSHOT"
+  [ -d .whl ] && cp -r .whl "$TILEWISE_SNAPSHOT/"
+  exec bash "$TILEWISE_SNAPSHOT/bench/h200.sh" "$@"
+fi
 FINAL=${OUT:-/tmp/tilewise-out}   # the device tool brings back at most 8 files: everything goes into one tarball
 OUT=/tmp/tilewise-results
 mkdir -p "$OUT" "$FINAL"
