@@ -78,7 +78,7 @@ def run_variant(name: str, data_dir: str, work: str, batch: int, steps: int) -> 
     shutil.rmtree(out_dir, ignore_errors=True)   # the final checkpoint: 1.5 GB per variant
     return {"variant": name, "strategy": summary["strategy"], "options": extra,
             "tokens_per_s": round(tokens / seconds), "step_ms": round(1e3 * seconds / (LOG_EVERY * len(timed)), 2),
-            "timed_steps": LOG_EVERY * len(timed), "mfu": round(summary["mfu"] or 0.0, 4),
+            "timed_steps": LOG_EVERY * len(timed), "mfu": round(sum(r["mfu"] or 0.0 for r in timed) / len(timed), 4),
             "peak_mem_gb": round(summary["peak_mem_gb"], 2), "final_loss": round(records[-1]["loss"], 4),
             "wall_s": round(wall, 1)}
 
