@@ -184,17 +184,17 @@ class _ChunkedForTest(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, r, w, b, is_rms, p, seed, cfg):
-        y, h, mean, rstd = norm._forward(x, r, w, b, is_rms, 1e-5, p, seed, r.dtype, cfg)
-        ctx.save_for_backward(h, w, mean, rstd)
-        ctx.args = (is_rms, p, seed, x.dtype, r.dtype, cfg)
+        y, h, stats = norm._forward(x, r, w, b, is_rms, 1e-5, p, seed, r.dtype, cfg)
+        ctx.save_for_backward(h, w, stats)
+        ctx.args = (is_rms, p, seed, x.dtype, r.dtype, b.dtype, cfg)
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
-        h, w, mean, rstd = ctx.saved_tensors
-        is_rms, p, seed, x_dtype, r_dtype, cfg = ctx.args
-        dx, dr, dw, db = norm._backward(dy, dh, h, w, mean, rstd, True, is_rms, p, seed, x_dtype, r_dtype, cfg)
-        return dx, (dr if dr.numel() else dx), dw, db, None, None, None, None
+        h, w, stats = ctx.saved_tensors
+        is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg = ctx.args
+        dx, dr, dw, db = norm._backward(dy, dh, h, w, stats, is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg)
+        return dx, (dx if dr is None else dr), dw, db, None, None, None, None
 
 
 @pytest.mark.parametrize("cfg", [Config(1, 128, 4), Config(4, 128, 4), Config(8, 128, 2, num_stages=1)], ids=str)
@@ -252,13 +252,13 @@ out = []
 for width in (768, 4096, 8192):
     for is_rms in (False, True):
         cfg = norm.forward_config(width)
-        ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Mean": "*fp32", "Rstd": "*fp32"}
+        ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Stats": "*fp32"}
         cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
         out.append(["fwd", width, is_rms, build(norm._fwd_kernel, ptrs, cx, cfg)])
         cfg = norm.backward_config(width)
         ptrs = dict.fromkeys(["DY", "DHIN", "H", "W", "DX", "DR"], "*bf16")
-        ptrs |= dict.fromkeys(["Mean", "Rstd", "C1", "C2", "DWp", "DBp"], "*fp32")
+        ptrs |= dict.fromkeys(["Stats", "C", "Part"], "*fp32")
         cx = dict(HAS_DHIN=True, HAS_DR=False, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, SPLIT=False,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
         out.append(["bwd", width, is_rms, build(norm._bwd_kernel, ptrs, cx, cfg)])
@@ -429,10 +429,17 @@ def test_custom_ops_pass_opcheck():
     x, r, w, b = make(5, 40, torch.float32)
     fwd_args = (x, r, w, b, False, 1e-5, 0.1, 3, torch.float32)
     torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_fwd.default, fwd_args)
-    y, h, mean, rstd = torch.ops.tilewise.add_dropout_norm_fwd(*fwd_args)
+    y, h, stats = torch.ops.tilewise.add_dropout_norm_fwd(*fwd_args)
+    assert stats.shape == (2, 5)
+    for dh, res_dtype, bias_dtype in ((torch.randn_like(h), torch.float32, torch.float32), (None, None, None)):
+        torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
+                              (torch.randn_like(y), dh, h, w, stats, False, 0.1, 3, torch.float32, res_dtype,
+                               bias_dtype))
+    rms = torch.ops.tilewise.add_dropout_norm_fwd(x, None, w, None, True, 1e-5, 0.0, 0, torch.float32)
+    assert rms[2].shape == (1, 5)
     torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
-                          (torch.randn_like(y), torch.randn_like(h), h, w, mean, rstd, True, False, 0.1, 3,
-                           torch.float32, True, torch.float32))
+                          (torch.randn_like(y), torch.randn_like(h), rms[1], w, rms[2], True, 0.0, 0, torch.float32,
+                           torch.float32, None))
 
 
 def test_torch_compile_keeps_one_graph():

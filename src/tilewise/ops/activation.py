@@ -3,8 +3,8 @@
 bias_gelu: y = gelu_tanh(x + b), written as u * sigmoid(2z) with u = x + b, z = sqrt(2/pi) (u + 0.044715 u^3)
 (the same function as 0.5 u (1 + tanh z)). Forward reads x once and writes y once. Backward recomputes u
 from x and b: dx = dy * (s + 2 u s (1 - s) z'(u)), s = sigmoid(2z); dbias = sum of dx over rows, in two
-stages (each persistent program sums its row tiles in registers into an fp32 row of partials; torch sums
-those). Bytes: forward x, y; backward dy, x, dx.
+stages (each persistent program sums its row tiles in registers into an fp32 row of partials; norm's
+sum_partials kernel sums those into the bias's dtype). Bytes: forward x, y; backward dy, x, dx.
 
 swiglu: gate_up (..., 2F) -> silu(gate) * up, gate the first half of the last dim, up the second.
 Backward: dgate = dy * up * s (1 + gate (1 - s)), s = sigmoid(gate); dup = dy * silu(gate). Bytes: forward
@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .norm import resident_programs
+from .launch import FastLauncher
+from .norm import launch_programs, programs_per_wave, sum_partials
+
 
 @triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -100,6 +102,12 @@ def _swiglu_bwd_kernel(DY, GU, DGU, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 # ---------------------------------------------------------------------------------------------- launchers
 
+_bias_gelu_fwd_launch = FastLauncher(_bias_gelu_fwd_kernel)
+_bias_gelu_bwd_launch = FastLauncher(_bias_gelu_bwd_kernel)
+_swiglu_fwd_launch = FastLauncher(_swiglu_fwd_kernel)
+_swiglu_bwd_launch = FastLauncher(_swiglu_bwd_kernel)
+
+
 def _tile(width: int) -> tuple[int, int, int]:
     """Elementwise tiles of 4096 elements (16 a thread over 8 warps), at most 1024 columns wide."""
     block_n = min(1024, max(16, triton.next_power_of_2(width)))
@@ -109,11 +117,10 @@ def _tile(width: int) -> tuple[int, int, int]:
 def _bias_gelu_forward(x, bias, out_dtype):
     M, N = x.shape
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if y.numel():
+    if M:
         bm, bn, warps = _tile(N)
-        _bias_gelu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            x, bias if bias is not None else x, y, M, N, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps)
+        _bias_gelu_fwd_launch((triton.cdiv(M, bm), triton.cdiv(N, bn)), x, x if bias is None else bias, y, M, N,
+                              HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return y
 
 
@@ -123,43 +130,60 @@ def _bias_gelu_bwd_tile(width: int) -> tuple[int, int, int]:
     return max(1, 1024 // block_n), block_n, 4
 
 
+_BWD_PLANS: dict = {}       # (device, width, bias?, dtypes) -> (rows a tile, column blocks, constexprs, programs a wave)
+
+
 def _bias_gelu_backward(dy, x, bias):
-    """Returns dx and the fp32 bias gradient (empty without a bias). A persistent launch (one wave of
-    resident programs) over row tiles; dbias = the sum of the programs' partial rows."""
+    """Returns dx and the bias gradient in the bias's dtype (None without a bias). A persistent launch (one
+    wave of resident programs) over row tiles; dbias = the sums of the programs' partial rows."""
     M, N = x.shape
-    has_bias = bias is not None
-    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if not dx.numel():
-        return dx, torch.zeros(N if has_bias else 0, dtype=torch.float32, device=x.device)
-    bm, bn, warps = _bias_gelu_bwd_tile(N)
-    n_tiles, n_col = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
-    args = [dy, x, bias if has_bias else x, dx, torch.float32 if has_bias else dx, M, N, n_tiles]
-    meta = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=4, num_warps=warps, num_stages=4)
-    programs = resident_programs(_bias_gelu_bwd_kernel, args, meta, n_tiles, x.device, n_col)
-    if has_bias:
-        args[4] = dbp = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    _bias_gelu_bwd_kernel[(programs, n_col)](*args, **meta)
-    return dx, (dbp.sum(0) if has_bias else dx.new_empty(0, dtype=torch.float32))
+    dev = x.device
+    dx = torch.empty((M, N), dtype=x.dtype, device=dev)
+    if bias is None:
+        db = None
+    elif M == 0:
+        return dx, torch.zeros_like(bias)
+    else:
+        db = torch.empty(N, dtype=bias.dtype, device=dev)
+    if M == 0:
+        return dx, db
+    b = x if bias is None else bias
+    key = (dev, N, bias is None, dy.dtype, x.dtype, b.dtype)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        bm, bn, warps = _bias_gelu_bwd_tile(N)
+        n_col = triton.cdiv(N, bn)
+        meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=4, num_warps=warps, num_stages=4)
+        # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
+        args = (dy, x, b, dx, dx if bias is None else torch.float32, M, N, triton.cdiv(M, bm))
+        plan = _BWD_PLANS[key] = (bm, n_col, meta, programs_per_wave(_bias_gelu_bwd_kernel, args, meta, dev, n_col))
+    bm, n_col, meta, per_wave = plan
+    n_tiles = triton.cdiv(M, bm)
+    programs = launch_programs(per_wave, 1, n_tiles)
+    part = dx if bias is None else torch.empty((programs, N), dtype=torch.float32, device=dev)
+    _bias_gelu_bwd_launch((programs, n_col), dy, x, b, dx, part, M, N, n_tiles, **meta)
+    if bias is not None:
+        sum_partials(part, programs, db)
+    return dx, db
 
 
 def _swiglu_forward(gu):
     M, F2 = gu.shape
     y = torch.empty((M, F2 // 2), dtype=gu.dtype, device=gu.device)
-    if y.numel():
+    if M and F2:
         bm, bn, warps = _tile(F2 // 2)
-        _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn))](gu, y, M, F2 // 2, BLOCK_M=bm,
-                                                                            BLOCK_N=bn, num_warps=warps)
+        _swiglu_fwd_launch((triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn)), gu, y, M, F2 // 2, BLOCK_M=bm, BLOCK_N=bn,
+                           num_warps=warps)
     return y
 
 
 def _swiglu_backward(dy, gu):
     M, F2 = gu.shape
     dgu = torch.empty_like(gu)
-    if dgu.numel():
+    if M and F2:
         bm, bn, warps = _tile(F2 // 2)
-        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn))](dy, gu, dgu, M, F2 // 2, BLOCK_M=bm,
-                                                                            BLOCK_N=bn, num_warps=warps)
+        _swiglu_bwd_launch((triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn)), dy, gu, dgu, M, F2 // 2, BLOCK_M=bm,
+                           BLOCK_N=bn, num_warps=warps)
     return dgu
 
 
@@ -178,12 +202,13 @@ def _(x, bias, out_dtype):
 @torch.library.custom_op("tilewise::bias_gelu_bwd", mutates_args=())
 def _bias_gelu_bwd_op(dy: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bias_gelu_backward(dy, x, bias)
+    dx, db = _bias_gelu_backward(dy, x, bias)
+    return dx, (db if db is not None else x.new_empty(0))
 
 
 @_bias_gelu_bwd_op.register_fake
 def _(dy, x, bias):
-    return torch.empty_like(x), x.new_empty((x.shape[1] if bias is not None else 0,), dtype=torch.float32)
+    return torch.empty_like(x), (torch.empty_like(bias) if bias is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("tilewise::swiglu_fwd", mutates_args=())
@@ -213,7 +238,14 @@ def _call(op, launcher, *args):
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> contiguous (M, N), a view when t is contiguous."""
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
+    return t.contiguous()
+
+
+def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """t (M, N) viewed as `shape`; no view for 2-D shapes (each view is host time)."""
+    return t if len(shape) == 2 else t.view(shape)
 
 
 class BiasGelu(torch.autograd.Function):
@@ -224,13 +256,13 @@ class BiasGelu(torch.autograd.Function):
         y = _call(torch.ops.tilewise.bias_gelu_fwd, _bias_gelu_forward, x2, bias, out_dtype)
         ctx.save_for_backward(x2, bias)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return _shaped(y, x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, bias = ctx.saved_tensors
         dx, db = _call(torch.ops.tilewise.bias_gelu_bwd, _bias_gelu_backward, _rows(dy), x2, bias)
-        return dx.view(ctx.shape), (db.to(bias.dtype) if bias is not None else None)
+        return _shaped(dx, ctx.shape), (db if bias is not None else None)
 
 
 class SwiGLU(torch.autograd.Function):
@@ -240,12 +272,12 @@ class SwiGLU(torch.autograd.Function):
         ctx.save_for_backward(gu)
         ctx.shape = gate_up.shape
         y = _call(torch.ops.tilewise.swiglu_fwd, _swiglu_forward, gu)
-        return y.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        return _shaped(y, (*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
     @staticmethod
     def backward(ctx, dy):
         (gu,) = ctx.saved_tensors
-        return _call(torch.ops.tilewise.swiglu_bwd, _swiglu_backward, _rows(dy), gu).view(ctx.shape)
+        return _shaped(_call(torch.ops.tilewise.swiglu_bwd, _swiglu_backward, _rows(dy), gu), ctx.shape)
 
 
 # --------------------------------------------------------------------------------------------- public ops

@@ -11,9 +11,9 @@ Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
     dh = rstd * (g - mean(g) - hhat * mean(g * hhat)) + dh_in        (RMSNorm drops the mean(g) term)
     dresidual = dh,  dx = keep * dh / (1 - p),
 dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
-per column in registers over its row tiles and writes one fp32 row of partial sums; a torch sum over those
-rows gives dweight and dbias, with no atomics. Bytes: read dy, dh_in, h; write dx (which is also dresidual
-when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel takes mean(g)
+per column in registers over its row tiles and writes one fp32 row of partial sums; one small kernel sums
+those rows into dweight and dbias in the parameters' dtypes, with no atomics. Bytes: read dy, dh_in, h;
+write dx (which is also dresidual when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel takes mean(g)
 and mean(g * hhat) first, then the columns are split across programs.
 
 The row-tile kernels are persistent: as many programs as the GPU keeps resident (the driver's occupancy
@@ -22,6 +22,10 @@ loop software-pipelined over NUM_STAGES (4): the loads of the next two or three 
 memory asynchronously while this one is reduced and stored, so every program keeps memory busy. (With 2 stages
 Triton issues the next tile's copies only after this tile's stores, checked in the sm_90 PTX: each
 program then waits a full memory latency per tile, which is what held the first version back.)
+
+Host side: a forward+backward is three launches (forward, backward, the dweight/dbias sums) through
+FastLauncher (ops/launch.py), and every constant of a launch (config, constexprs, program count a wave)
+comes from one dict lookup of a launch plan; the row statistics (mean, rstd) share one buffer.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
+from .launch import FastLauncher
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 _MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
@@ -82,11 +87,16 @@ def _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES: tl.constexpr, HAS
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _fwd_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
+def _fwd_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Tiles of BLOCK_M whole rows in registers; program pid takes tiles pid, pid + programs, ..."""
+    """Tiles of BLOCK_M whole rows in registers; program pid takes tiles pid, pid + programs, ...
+    Stats holds the rows' rstd (RMSNorm), or their mean and then their rstd (LayerNorm)."""
     pid = tl.program_id(0)
+    Mean = Stats
+    Rstd = Stats
+    if not IS_RMS:
+        Rstd = Stats + M
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
@@ -117,11 +127,15 @@ def _fwd_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, see
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, eps, seed, thr, scale,
+def _fwd_chunked_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale,
                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                         HAS_DROP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One wide row per program, by chunks: h and its statistics first, then y from h read back."""
     row = tl.program_id(0)
+    Mean = Stats
+    Rstd = Stats
+    if not IS_RMS:
+        Rstd = Stats + M
     rows = row + tl.arange(0, 1)
     r64 = rows.to(tl.int64)[:, None]
     count = 0.0
@@ -164,10 +178,16 @@ def _fwd_chunked_kernel(X, R, W, B, Y, H, Mean, Rstd, M, N, stride_x, stride_r, 
 
 
 @triton.jit
-def _bwd_row_sums_kernel(DY, H, W, Mean, Rstd, C1, C2, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _bwd_row_sums_kernel(DY, H, W, Stats, C, M, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
-    """For wide rows: C1 = mean(g * hhat), C2 = mean(g) of each row, by chunks."""
+    """For wide rows: C1 = mean(g * hhat), C2 = mean(g) of each row, by chunks (C holds C1, then C2)."""
     row = tl.program_id(0)
+    Mean = Stats
+    Rstd = Stats
+    if not IS_RMS:
+        Rstd = Stats + M
+    C1 = C
+    C2 = C + M
     base = row.to(tl.int64) * N
     rstd = tl.load(Rstd + row)
     mean = 0.0
@@ -213,13 +233,20 @@ def _load_tile_grads(DY, DHIN, H, Mean, Rstd, C1, C2, rows, row_ok, cols, col_ok
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _bwd_kernel(DY, DHIN, H, W, Mean, Rstd, C1, C2, DX, DR, DWp, DBp, M, N, n_tiles, seed, thr, scale,
+def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr, scale,
                 HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
                 HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 NUM_STAGES: tl.constexpr):
     """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT,
-    where the row sums come precomputed in C1, C2)."""
+    where the row sums come precomputed in C: C1 then C2). Part: the programs' dweight partial rows, then
+    their dbias rows."""
     pid = tl.program_id(0)
+    Mean = Stats
+    Rstd = Stats
+    if not IS_RMS:
+        Rstd = Stats + M
+    C1 = C
+    C2 = C + M
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -260,9 +287,30 @@ def _bwd_kernel(DY, DHIN, H, W, Mean, Rstd, C1, C2, DX, DR, DWp, DBp, M, N, n_ti
             dh = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), dh * scale, 0.0)
         tl.store(DX + offs, dh.to(DX.dtype.element_ty), mask=mask)
     part = pid.to(tl.int64) * N + cols
-    tl.store(DWp + part, tl.sum(dw, axis=0), mask=col_ok)
+    tl.store(Part + part, tl.sum(dw, axis=0), mask=col_ok)
     if HAS_BIAS:
-        tl.store(DBp + part, tl.sum(db, axis=0), mask=col_ok)
+        tl.store(Part + tl.num_programs(0).to(tl.int64) * N + part, tl.sum(db, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _sum_partials_kernel(Part, DW, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+    """Second stage of dweight (program_id(1) == 0) and dbias (1): the column sums of R rows of fp32
+    partials (dbias's R rows follow dweight's), stored in the parameter's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    which = tl.program_id(1)
+    base = Part + which.to(tl.int64) * R * N
+    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for r0 in tl.range(0, R, BLOCK_R, num_stages=NUM_STAGES):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < R)[:, None] & col_ok[None, :]
+        acc += tl.load(base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(DB + cols, total.to(DB.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -278,39 +326,56 @@ def _keep_mask_kernel(Out, M, N, seed, thr, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 # ---------------------------------------------------------------------------------------------- launchers
 
 class Config(NamedTuple):
-    """A launch shape: rows a tile, columns a tile (a chunk when chunked), warps, chunked or not, and the
+    """A launch shape: rows a tile, columns a tile (a chunk when chunked), warps, chunked or not, the
     software-pipeline stages of the tile loop (stages - 2 tiles' loads, at least, in flight while one is
-    computed)."""
+    computed), and waves: the row-tile kernels launch `waves` times as many programs as the GPU keeps
+    resident (1: persistent, all in one wave), or with waves=0 one program a tile."""
     block_m: int
     block_n: int
     num_warps: int
     chunked: bool = False
     num_stages: int = 4
+    waves: int = 1
 
 
-def _row_tile_config(width: int) -> Config:
-    """8 elements a thread (16-byte loads of bf16), tiles of at least 1024 elements (several narrow rows),
-    4 stages. The sm_90 builds (Triton 3.6, bf16 with bf16 weights, no dropout) use 48-53 registers in the
-    LayerNorm forward, 40-62 in the RMSNorm one, 64-85 and 60-64 in the backwards, and do not spill: 768-
-    and 1024-wide rows keep 7-12 programs an SM, 8192-wide rows one of 32 warps, and with two or three tiles
-    in flight a program that is 60-200 KB of loads in flight an SM. bench/fused.py sweeps the neighbours."""
+# The row-tile kernels' launch configs by row width (rounded up to a power of two, at least 16); wider rows
+# than _MAX_ROW go by chunks. Edit here to retune: `bench/fused.py --sweep` on the H200 prints its best
+# configs in this format. The defaults keep 8 elements a thread (16-byte loads of bf16) in tiles of at least
+# 1024 elements (several narrow rows), 4 pipeline stages. Their sm_90 builds (Triton 3.6, bf16 with bf16
+# weights, no dropout) use 48-53 registers in the LayerNorm forward, 40-62 in the RMSNorm one, 64-85 and
+# 60-64 in the backwards, and do not spill: 768- and 1024-wide rows keep 7-12 programs an SM, 8192-wide rows
+# one of 32 warps; with two or three tiles in flight a program, that is 60-200 KB of loads in flight an SM.
+# The 8192-wide backward takes 3 stages (4 spill a register or two with fp32 weights).
+#   width: (forward,                 backward)
+_CONFIGS = {
+    16:     (Config(64, 16, 4),      Config(64, 16, 4)),
+    32:     (Config(32, 32, 4),      Config(32, 32, 4)),
+    64:     (Config(16, 64, 4),      Config(16, 64, 4)),
+    128:    (Config(8, 128, 4),      Config(8, 128, 4)),
+    256:    (Config(4, 256, 4),      Config(4, 256, 4)),
+    512:    (Config(2, 512, 4),      Config(2, 512, 4)),
+    1024:   (Config(1, 1024, 4),     Config(1, 1024, 4)),
+    2048:   (Config(1, 2048, 8),     Config(1, 2048, 8)),
+    4096:   (Config(1, 4096, 16),    Config(1, 4096, 16)),
+    8192:   (Config(1, 8192, 32),    Config(1, 8192, 32, num_stages=3)),
+}
+_RMS_CONFIGS: dict = {}         # RMSNorm's entries where they differ from _CONFIGS (same format)
+_CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
+
+
+def _table_config(width: int, is_rms: bool, which: int) -> Config:
+    if width > _MAX_ROW:
+        return _CHUNKED
     block_n = max(16, triton.next_power_of_2(width))
-    block_m = max(1, min(64, 1024 // block_n))
-    return Config(block_m, block_n, max(1, min(32, block_m * block_n // 256)))
+    return ((is_rms and _RMS_CONFIGS.get(block_n)) or _CONFIGS[block_n])[which]
 
 
-def forward_config(width: int) -> Config:
-    if width > _MAX_ROW:
-        return Config(1, 2048, 8, chunked=True, num_stages=3)
-    return _row_tile_config(width)
+def forward_config(width: int, is_rms: bool = False) -> Config:
+    return _table_config(width, is_rms, 0)
 
 
-def backward_config(width: int) -> Config:
-    """As the forward; 8192-wide rows take 3 stages (4 spill a register or two with fp32 weights)."""
-    if width > _MAX_ROW:
-        return Config(1, 2048, 8, chunked=True, num_stages=3)
-    cfg = _row_tile_config(width)
-    return cfg._replace(num_stages=3) if cfg.block_n >= 8192 else cfg
+def backward_config(width: int, is_rms: bool = False) -> Config:
+    return _table_config(width, is_rms, 1)
 
 
 _DEVICE: dict = {}
@@ -332,14 +397,15 @@ def _driver_occupancy(function, threads: int, shared: int) -> int:
         return 0
 
 
-def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_col: int = 1) -> int:
-    """Programs (along grid axis 0) of a persistent launch: as many as the device keeps resident at once,
-    so all run in one wave (a fraction of a second wave would double the time), at most one per tile.
-    The count comes from the driver's occupancy calculator for the compiled kernel; failing that, from its
-    registers and shared memory. On CPU (the interpreter) a few, so the row loops are exercised.
-    A torch.dtype may stand in for a tensor argument not allocated yet (Triton's warmup takes one)."""
+def programs_per_wave(kernel, args, meta, device: torch.device, n_col: int = 1) -> int:
+    """Programs along grid axis 0 that the device keeps resident at once for this launch: one wave (a
+    fraction of a second wave would double the time). The count comes from the driver's occupancy
+    calculator for the compiled kernel; failing that, from its registers and shared memory. On CPU (the
+    interpreter) 3, so the row loops are exercised. A torch.dtype may stand in for a tensor argument not
+    allocated yet (Triton's warmup takes one). It compiles on first use and keys on every argument: callers
+    keep its result in their launch plans."""
     if device.type != "cuda":
-        return max(1, min(n_tiles, 3))
+        return 3
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _DEVICE:
         props = triton.runtime.driver.active.utils.get_device_properties(idx)
@@ -367,7 +433,12 @@ def resident_programs(kernel, args, meta, n_tiles: int, device: torch.device, n_
             per_sm = 16 // warps
         _RESIDENT[key] = max(1, per_sm)
         _RESIDENT_INFO[key] = info
-    return max(1, min(n_tiles, n_sm * _RESIDENT[key] // n_col))
+    return max(1, n_sm * _RESIDENT[key] // n_col)
+
+
+def launch_programs(per_wave: int, waves: int, n_tiles: int) -> int:
+    """Programs of a row-tile launch: `waves` waves of resident programs (0: one a tile), at most one a tile."""
+    return n_tiles if waves <= 0 else max(1, min(n_tiles, waves * per_wave))
 
 
 def _dropout_params(p: float) -> tuple[int, float]:
@@ -375,104 +446,158 @@ def _dropout_params(p: float) -> tuple[int, float]:
     return min(int(round(p * 2 ** 31)), 2 ** 31 - 1), 1.0 / (1.0 - p)
 
 
+_fwd_launch = FastLauncher(_fwd_kernel)
+_fwd_chunked_launch = FastLauncher(_fwd_chunked_kernel)
+_bwd_launch = FastLauncher(_bwd_kernel)
+_bwd_row_sums_launch = FastLauncher(_bwd_row_sums_kernel)
+_sum_partials_launch = FastLauncher(_sum_partials_kernel)
+
+# Launch plans: what a launch needs besides the row count (config, constexprs, programs a wave, dropout
+# constants), computed once per (pass, device, width, flags, dtypes) so a call only looks it up.
+_PLANS: dict = {}
+
+
+class _Plan(NamedTuple):
+    cfg: Config
+    meta: dict
+    per_wave: int
+    thr: int
+    scale: float
+
+
+def _plan(kernel, cfg: Config, flags: dict, p: float, args, device, n_col: int = 1) -> _Plan:
+    meta = dict(flags, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    per_wave = 0
+    if not cfg.chunked or kernel is _bwd_kernel:
+        meta["BLOCK_M"] = cfg.block_m
+        per_wave = programs_per_wave(kernel, args, meta, device, n_col)
+    return _Plan(cfg, meta, per_wave, *_dropout_params(p))
+
+
 def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None):
-    """x, residual: (M, N) with unit column stride. Returns y, h, mean (empty for RMSNorm), rstd."""
+    """x, residual: (M, N) with unit column stride. Returns y, h and the fp32 row statistics stats: rstd
+    (1, M) for RMSNorm, mean and rstd (2, M) for LayerNorm."""
     M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    h = torch.empty((M, N), dtype=h_dtype, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    mean = torch.empty(0 if is_rms else M, dtype=torch.float32, device=x.device)
+    dev = x.device
+    y = torch.empty((M, N), dtype=x.dtype, device=dev)
+    h = torch.empty((M, N), dtype=h_dtype, device=dev)
+    stats = torch.empty((1 if is_rms else 2, M), dtype=torch.float32, device=dev)
     if M == 0:
-        return y, h, mean, rstd
-    cfg = cfg or forward_config(N)
-    thr, scale = _dropout_params(p)
-    args = [x, residual if residual is not None else x, weight, bias if bias is not None else weight, y, h,
-            rstd if is_rms else mean, rstd, M, N, x.stride(0), residual.stride(0) if residual is not None else 0,
-            eps, seed, thr, scale]
-    meta = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0,
-                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y, h, stats
+    r = x if residual is None else residual
+    b = weight if bias is None else bias
+    args = (x, r, weight, b, y, h, stats, M, N, x.stride(0), r.stride(0), eps, seed)
+    key = (True, dev, N, is_rms, residual is None, bias is None, p, x.dtype, r.dtype, h_dtype, weight.dtype,
+           b.dtype, cfg)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = cfg or forward_config(N, is_rms)
+        flags = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0)
+        kernel = _fwd_chunked_kernel if cfg.chunked else _fwd_kernel
+        thr, scale = _dropout_params(p)
+        plan = _PLANS[key] = _plan(kernel, cfg, flags, p, args + (thr, scale, triton.cdiv(M, cfg.block_m)), dev)
+    cfg = plan.cfg
     if cfg.chunked:
-        _fwd_chunked_kernel[(M,)](*args, **meta)
+        _fwd_chunked_launch((M,), *args, plan.thr, plan.scale, **plan.meta)
     else:
         n_tiles = triton.cdiv(M, cfg.block_m)
-        args.append(n_tiles)
-        meta["BLOCK_M"] = cfg.block_m
-        _fwd_kernel[(resident_programs(_fwd_kernel, args, meta, n_tiles, x.device),)](*args, **meta)
-    return y, h, mean, rstd
+        _fwd_launch((launch_programs(plan.per_wave, cfg.waves, n_tiles),), *args, plan.thr, plan.scale, n_tiles,
+                    **plan.meta)
+    return y, h, stats
 
 
-def _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype, res_dtype,
+def _reduce_meta(N: int) -> tuple[int, dict]:
+    """The second stage's tiles: 128 partial rows x 32 columns (a 128-byte line a row) a step, 4 warps."""
+    return triton.cdiv(N, 32), dict(BLOCK_R=128, BLOCK_N=32, NUM_STAGES=3, num_warps=4, num_stages=3)
+
+
+def sum_partials(part, rows: int, dw, db=None):
+    """dw (and db) = the column sums of the fp32 partial rows part[0] (and part[1]), (rows, N) each, written
+    in dw's (db's) dtype by one small kernel."""
+    n_blocks, meta = _reduce_meta(dw.shape[0])
+    _sum_partials_launch((n_blocks, 1 if db is None else 2), part, dw, dw if db is None else db, rows, dw.shape[0],
+                         **meta)
+
+
+def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
               cfg: Optional[Config] = None):
-    """Returns dx, dresidual (empty when dx serves for it too, or there is no residual), and dweight, dbias
-    in fp32 (dbias empty without a bias)."""
+    """dy, dh (may be None): the gradients arriving at y and h, (M, N) with unit column stride. Returns dx;
+    dresidual (None where dx serves for it too, or there is no residual); dweight and dbias (None without a
+    bias), in the parameters' dtypes."""
     M, N = h.shape
     dev = h.device
     dy = dy.contiguous()                      # the kernel walks rows of N contiguous elements
     dh = dh.contiguous() if dh is not None else None
-    shared = res_dtype is not None and res_dtype == x_dtype and p == 0.0
+    separate = res_dtype is not None and (res_dtype != x_dtype or p != 0.0)
     dx = torch.empty((M, N), dtype=x_dtype, device=dev)
-    dr = torch.empty((M, N) if res_dtype is not None and not shared else (0,), dtype=res_dtype or x_dtype,
-                     device=dev)
+    dr = torch.empty((M, N), dtype=res_dtype, device=dev) if separate else None
     if M == 0:
-        return dx, dr, weight.new_zeros(N, dtype=torch.float32), weight.new_zeros(N if has_bias else 0,
-                                                                                   dtype=torch.float32)
-    cfg = cfg or backward_config(N)
+        return dx, dr, torch.zeros_like(weight), (None if bias_dtype is None else
+                                                  torch.zeros(N, dtype=bias_dtype, device=dev))
+    dw = torch.empty(N, dtype=weight.dtype, device=dev)
+    db = torch.empty(N, dtype=bias_dtype, device=dev) if bias_dtype is not None else None
+    key = (False, dev, N, is_rms, dh is None, separate, bias_dtype, p, dy.dtype, h.dtype, weight.dtype, x_dtype,
+           res_dtype, cfg)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = cfg or backward_config(N, is_rms)
+        n_col = triton.cdiv(N, cfg.block_n) if cfg.chunked else 1
+        flags = dict(HAS_DHIN=dh is not None, HAS_DR=separate, HAS_BIAS=bias_dtype is not None, IS_RMS=is_rms,
+                     HAS_DROP=p > 0.0, SPLIT=cfg.chunked)
+        # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
+        args = (dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, torch.float32,
+                M, N, triton.cdiv(M, cfg.block_m), seed, *_dropout_params(p))
+        plan = _PLANS[key] = _plan(_bwd_kernel, cfg, flags, p, args, dev, n_col)
+    cfg = plan.cfg
     n_tiles = triton.cdiv(M, cfg.block_m)
     n_col = triton.cdiv(N, cfg.block_n) if cfg.chunked else 1
-    c1 = c2 = rstd
+    c = stats
     if cfg.chunked:
-        c1 = torch.empty(M, dtype=torch.float32, device=dev)
-        c2 = torch.empty(M, dtype=torch.float32, device=dev)
-        _bwd_row_sums_kernel[(M,)](dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, N, IS_RMS=is_rms,
-                                   BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages)
-    thr, scale = _dropout_params(p)
-    # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
-    args = [dy, dh if dh is not None else dy, h, weight, rstd if is_rms else mean, rstd, c1, c2, dx,
-            dr if dr.numel() else dx, torch.float32, torch.float32, M, N, n_tiles, seed, thr, scale]
-    meta = dict(HAS_DHIN=dh is not None, HAS_DR=dr.numel() > 0, HAS_BIAS=has_bias, IS_RMS=is_rms,
-                HAS_DROP=p > 0.0, SPLIT=cfg.chunked, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    programs = resident_programs(_bwd_kernel, args, meta, n_tiles, dev, n_col)
-    part = torch.empty((2 if has_bias else 1, programs, N), dtype=torch.float32, device=dev)
-    args[10], args[11] = part[0], part[-1]
-    _bwd_kernel[(programs, n_col)](*args, **meta)
-    return dx, dr, part[0].sum(0), part[1].sum(0) if has_bias else part.new_empty(0)
+        c = torch.empty((2, M), dtype=torch.float32, device=dev)
+        _bwd_row_sums_launch((M,), dy, h, weight, stats, c, M, N, IS_RMS=is_rms, BLOCK_N=cfg.block_n,
+                             NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    programs = launch_programs(plan.per_wave, cfg.waves, n_tiles)
+    part = torch.empty((1 if db is None else 2, programs, N), dtype=torch.float32, device=dev)
+    _bwd_launch((programs, n_col), dy, dy if dh is None else dh, h, weight, stats, c, dx, dx if dr is None else dr,
+                part, M, N, n_tiles, seed, plan.thr, plan.scale, **plan.meta)
+    sum_partials(part, programs, dw, db)
+    return dx, dr, dw, db
 
 
 # The kernels as custom ops: torch.compile sees them as opaque nodes with known output shapes, instead of
-# tracing (and breaking its graph on) the launchers.
+# tracing (and breaking its graph on) the launchers. Outputs that the eager launchers leave out (None) are
+# empty tensors here.
 
 @torch.library.custom_op("tilewise::add_dropout_norm_fwd", mutates_args=())
 def _fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
             is_rms: bool, eps: float, p: float, seed: int, h_dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype)
 
 
 @_fwd_op.register_fake
 def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
-    M = x.shape[0]
-    stat = x.new_empty((M,), dtype=torch.float32)
     return (torch.empty_like(x), x.new_empty(x.shape, dtype=h_dtype),
-            x.new_empty((0,) if is_rms else (M,), dtype=torch.float32), stat)
+            x.new_empty((1 if is_rms else 2, x.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op("tilewise::add_dropout_norm_bwd", mutates_args=())
-def _bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-            rstd: torch.Tensor, has_bias: bool, is_rms: bool, p: float, seed: int, x_dtype: torch.dtype,
-            has_res: bool, res_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype,
-                     res_dtype if has_res else None)
+def _bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor,
+            is_rms: bool, p: float, seed: int, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
+            bias_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dr, dw, db = _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype)
+    return (dx, dr if dr is not None else h.new_empty(0, dtype=x_dtype), dw,
+            db if db is not None else weight.new_empty(0))
 
 
 @_bwd_op.register_fake
-def _(dy, dh, h, weight, mean, rstd, has_bias, is_rms, p, seed, x_dtype, has_res, res_dtype):
-    shared = has_res and res_dtype == x_dtype and p == 0.0
-    dr_shape = h.shape if has_res and not shared else (0,)
-    return (h.new_empty(h.shape, dtype=x_dtype), h.new_empty(dr_shape, dtype=res_dtype if has_res else x_dtype),
-            weight.new_empty(weight.shape, dtype=torch.float32),
-            weight.new_empty(weight.shape if has_bias else (0,), dtype=torch.float32))
+def _(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype):
+    separate = res_dtype is not None and (res_dtype != x_dtype or p != 0.0)
+    return (h.new_empty(h.shape, dtype=x_dtype),
+            h.new_empty(h.shape, dtype=res_dtype) if separate else h.new_empty(0, dtype=x_dtype),
+            torch.empty_like(weight),
+            weight.new_empty(weight.shape, dtype=bias_dtype) if bias_dtype is not None else weight.new_empty(0))
 
 
 def _fwd(*args):
@@ -481,48 +606,46 @@ def _fwd(*args):
 
 
 def _bwd(*args):
-    if torch.compiler.is_compiling():
-        return torch.ops.tilewise.add_dropout_norm_bwd(*args)
-    *head, has_res, res_dtype = args
-    return _backward(*head, res_dtype if has_res else None)
+    return torch.ops.tilewise.add_dropout_norm_bwd(*args) if torch.compiler.is_compiling() else _backward(*args)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride, a view when possible."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(1) == 1 else t.contiguous()
 
 
 class AddDropoutNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
         weight = weight.contiguous()
-        y, h, mean, rstd = _fwd(
-            _rows(x), None if residual is None else _rows(residual), weight,
-            None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype)
-        ctx.save_for_backward(h, weight, mean, rstd)
+        y, h, stats = _fwd(_rows(x), None if residual is None else _rows(residual), weight,
+                           None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype)
+        ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)
-        ctx.meta = (is_rms, p, seed, x.dtype, residual is not None,
-                    residual.dtype if residual is not None else x.dtype, bias.dtype if bias is not None else None,
-                    x.shape)
+        ctx.meta = (is_rms, p, seed, x.dtype, None if residual is None else residual.dtype,
+                    None if bias is None else bias.dtype, x.shape)
+        if x.dim() == 2:
+            return y, h
         return y.view(x.shape), h.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy, dh):
-        h, weight, mean, rstd = ctx.saved_tensors
-        is_rms, p, seed, x_dtype, has_res, res_dtype, bias_dtype, shape = ctx.meta
+        h, weight, stats = ctx.saved_tensors
+        is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = ctx.meta
         # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
         dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
-        dx, dr, dw, db = _bwd(
-            dy, None if dh is None else _rows(dh), h, weight, mean, rstd, bias_dtype is not None, is_rms, p, seed,
-            x_dtype, has_res, res_dtype)
-        dx, dres = dx.view(shape), None
-        if has_res:
+        dx, dr, dw, db = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype,
+                              res_dtype, bias_dtype)
+        if len(shape) != 2:
+            dx = dx.view(shape)
+        dres = None
+        if res_dtype is not None:
             # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
             # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
             dres = dx if res_dtype == x_dtype and p == 0.0 else dr.view(shape)
-        db = db.to(bias_dtype) if bias_dtype is not None else None
-        return dx, dres, dw.to(weight.dtype), db, None, None, None, None, None
+        return dx, dres, dw, (db if bias_dtype is not None else None), None, None, None, None, None
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:

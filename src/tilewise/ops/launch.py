@@ -1,0 +1,198 @@
+"""Fast kernel launches: after the first call, Triton's compiled kernel is launched directly.
+
+`kernel[grid](*args, **meta)` runs JITFunction.run, ~100 us of Python a launch on a slow host (binding the
+arguments, specializing each one, building the cache key, launch metadata), which is more than a
+memory-bound kernel of a few hundred MB takes on an H200. FastLauncher keeps, per launch key, the
+CompiledKernel that Triton returned for the first call with that key, and later calls its launcher directly,
+the way JITFunction.run itself does at its end:
+
+    launcher = FastLauncher(kernel)          # once, at import
+    launcher(grid, *args, **meta)            # instead of kernel[grid](*args, **meta)
+
+The key must separate every call Triton would compile separately, or a launch could run a kernel built for
+other arguments. It holds the current device, Triton's debug and instrumentation knobs, the meta keywords
+(constexprs and options such as num_warps, with their values and types), and per positional argument a
+class at least as fine as Triton's specialization of it:
+    tensor  (dtype, data_ptr 16-byte aligned)
+    int     1, or (divisible by 16, and i32 / u64 / i64 range)      (also where Triton does not specialize)
+    float   fp32;  bool u1;  None
+Anything else (a TensorDescriptor, a torch.dtype, a numpy scalar) takes the normal launch every time. A key
+finer than Triton's costs nothing but one more normal first call.
+
+The normal launch is also taken: under the interpreter (TRITON_INTERPRET=1: the kernel is not a
+JITFunction), with TILEWISE_FAST_LAUNCH=0 or inside `normal_launches()`, while launch hooks (a profiler),
+pre-run hooks or a stages-inspection hook are installed, when a module global the kernel read has changed
+(Triton then raises), for a callable grid, and for calls whose constexprs arrive positionally or whose
+meta names a non-constexpr parameter. The compiled-kernel launch API used here, CompiledKernel.run(grid0,
+grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args), is the
+same in Triton 3.6 and 3.9; hooks may be None there, and constexpr values are passed (and ignored).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs as _knobs
+except ImportError:          # pragma: no cover - a Triton before knobs: no fast path
+    _knobs = None
+
+_ENABLED = [os.environ.get("TILEWISE_FAST_LAUNCH", "1").strip() != "0"]
+
+
+@contextlib.contextmanager
+def normal_launches():
+    """Every FastLauncher takes Triton's normal launch inside the block (for A/B tests)."""
+    old, _ENABLED[0] = _ENABLED[0], False
+    try:
+        yield
+    finally:
+        _ENABLED[0] = old
+
+
+def fast_launch_enabled() -> bool:
+    return _ENABLED[0]
+
+
+class _Unkeyable(Exception):
+    """An argument the key cannot classify: the call takes the normal launch."""
+
+
+def _arg_class(a):
+    """A class of one positional argument, at least as fine as Triton's specialization of it."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    t = type(a)
+    if t is int:
+        if a == 1:
+            return 1
+        size = 2 if -0x80000000 <= a <= 0x7FFFFFFF else 3 if a >= 0x8000000000000000 else 4
+        return size + 16 if a % 16 == 0 else size
+    if t is float:
+        return "fp32"
+    if t is bool:
+        return "u1"
+    if a is None:
+        return None
+    raise _Unkeyable
+
+
+# The current CUDA device and stream, as Triton's driver reports them (bound on first use; tests replace them).
+_get_device = None
+_get_stream = None
+
+
+def _bind_driver():
+    global _get_device, _get_stream
+    driver = triton.runtime.driver.active
+    _get_device, _get_stream = driver.get_current_device, driver.get_current_stream
+
+
+def _knob_state() -> tuple:
+    """Triton's global knobs that enter its cache key through the launch options."""
+    rt, comp = _knobs.runtime, _knobs.compilation
+    return (rt.debug, getattr(comp, "instrumentation_mode", None), getattr(comp, "fpsan_homomorphic_casts", None))
+
+
+def _hooks_installed() -> bool:
+    """A launch hook (a profiler such as proton) or a stages-inspection hook: Triton's path handles them."""
+    rt = _knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave)) or \
+        getattr(rt, "add_stages_inspection_hook", None) is not None
+
+
+class _Entry:
+    """What a direct launch needs: the compiled kernel's launcher, its handle and metadata, and the values of
+    the parameters after the positional ones (constexprs from meta, else defaults), in signature order."""
+    __slots__ = ("compiled", "run", "function", "packed_metadata", "tail")
+
+    def __init__(self, compiled, tail):
+        self.compiled, self.tail = compiled, tail
+        self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+
+_NORMAL = object()      # the entry of a key whose calls always take the normal launch
+
+
+class FastLauncher:
+    """`launcher(grid, *args, **meta)` launches `kernel` as `kernel[grid](*args, **meta)` does, skipping
+    JITFunction.run's Python after the first call with a given key (see the module docstring)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.fast = isinstance(kernel, JITFunction) and _knobs is not None
+        self._entries: dict = {}
+        self.fast_launches = 0          # counts, for tests and the benchmark's record
+        self.normal_launches = 0
+        if self.fast:
+            params = kernel.params
+            self._names = [p.name for p in params]
+            self._constexpr = {p.name for p in params if p.is_constexpr}
+            self._defaults = {p.name: p.default for p in params if p.has_default}
+
+    def __call__(self, grid, *args, **meta):
+        if not (self.fast and _ENABLED[0]):
+            return self._normal(grid, args, meta, None)
+        if _get_device is None:
+            _bind_driver()
+        device = _get_device()
+        try:
+            key = (device, _knob_state(), tuple([_arg_class(a) for a in args]), tuple(meta.items()),
+                   tuple(map(type, meta.values())))
+            entry = self._entries.get(key)
+        except (_Unkeyable, TypeError):         # TypeError: an unhashable meta value
+            return self._normal(grid, args, meta, None)
+        if entry is None:
+            return self._normal(grid, args, meta, key)
+        kernel = self.kernel
+        if entry is _NORMAL or callable(grid) or kernel.pre_run_hooks or _hooks_installed() or self._globals_changed():
+            return self._normal(grid, args, meta, None)
+        n = len(grid)
+        entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), entry.function,
+                  entry.packed_metadata, None, None, None, *args, *entry.tail)
+        self.fast_launches += 1
+        return entry.compiled
+
+    def _normal(self, grid, args, meta, key):
+        """Triton's own launch; with a key, keep what it compiled for the next calls."""
+        self.normal_launches += 1
+        compiled = self.kernel[grid](*args, **meta)
+        if key is not None and key not in self._entries:
+            self._entries[key] = self._entry(compiled, args, meta)
+        return compiled
+
+    def _entry(self, compiled, args, meta):
+        """The entry of a new key, or _NORMAL when the call's shape is one the direct launch does not copy."""
+        names = self._names
+        if len(args) > len(names) or any(name in self._constexpr for name in names[:len(args)]):
+            return _NORMAL                      # a constexpr passed positionally: its value is not in the key
+        if any(name in names and name not in self._constexpr for name in meta):
+            return _NORMAL                      # a runtime argument passed by keyword
+        tail = []
+        for name in names[len(args):]:
+            if name in meta:
+                tail.append(meta[name])
+            elif name in self._defaults:
+                tail.append(self._defaults[name])
+            else:
+                return _NORMAL
+        if self._globals_changed() or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return _NORMAL
+        try:
+            entry = _Entry(compiled, tuple(tail))
+        except Exception:       # noqa: BLE001 - a CompiledKernel unlike 3.6's and 3.9's: stay on the normal path
+            return _NORMAL
+        return entry if entry.function is not None and callable(entry.run) else _NORMAL
+
+    def _globals_changed(self) -> bool:
+        """A module global the kernel read at compile time has another value now (Triton raises then)."""
+        missing = object()
+        for (name, _), (value, scope) in getattr(self.kernel, "used_global_vals", {}).items():
+            if scope.get(name, missing) != value:
+                return True
+        return False
