@@ -130,9 +130,10 @@ def test_replayed_steps_match_eager_steps_and_never_sync(fp8):
     cfg, eager_model, eager_fp8 = _tiny_gpt(fp8)
     _, graph_model, graph_fp8 = _tiny_gpt(fp8)
     graph_model.load_state_dict(eager_model.state_dict())
+    initial = [p.detach().clone() for p in eager_model.parameters()]
     gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randint(0, 512, (8, 64), device="cuda", generator=gen),
-                torch.randint(0, 512, (8, 64), device="cuda", generator=gen)) for _ in range(10)]
+    inputs = [torch.randint(0, 512, (8, 64), device="cuda", generator=gen) for _ in range(10)]
+    batches = [(x, (7 * x + 3) % 512) for x in inputs]   # a mapping to learn, so the steps move the weights
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
 
     eager_opt = make_optimizer(eager_model, cfg, CUDA)
@@ -166,12 +167,11 @@ def test_replayed_steps_match_eager_steps_and_never_sync(fp8):
     torch.cuda.set_sync_debug_mode("default")
 
     eager_losses, graph_losses = torch.stack(eager_losses).tolist(), torch.stack(graph_losses).tolist()
-    assert eager_losses[-1] < eager_losses[0] - 0.1, eager_losses    # the steps do train
     for i, (e, g) in enumerate(zip(eager_losses, graph_losses)):
         assert abs(e - g) <= 1e-3 * abs(e), (i, eager_losses, graph_losses)
-    for (name, p), q in zip(eager_model.named_parameters(), graph_model.parameters()):
-        err = ((p - q).norm() / p.norm()).item()
-        assert err < 1e-3, (name, err)
+    for (name, p), q, p0 in zip(eager_model.named_parameters(), graph_model.parameters(), initial):
+        moved, err = (p - p0).norm().item(), (p - q).norm().item()
+        assert moved > 0 and err <= 1e-2 * moved, (name, moved, err)   # 10 steps moved it; graph and eager agree
 
 
 def _gpu_run(tmp_path, name, steps, **extra):
@@ -197,7 +197,7 @@ def test_trainer_with_graphs_gives_the_eager_losses(tmp_path, fp8, accum):
     (eager_summary, eager), (graph_summary, graphed) = runs["false"], runs["true"]
     assert graph_summary["cuda_graphs"] and not eager_summary["cuda_graphs"]
     assert len(eager) == len(graphed) == 10
-    assert eager[-1] < eager[0] - 0.1, eager
+    assert sum(eager[-3:]) < sum(eager[:3]), eager     # the steps do train
     for i, (e, g) in enumerate(zip(eager, graphed)):
         assert abs(e - g) <= 1e-3 * e, (i, eager, graphed)
     # evaluations at steps 5 and 10 ran between replays: a stale FP8 weight would show here
