@@ -584,9 +584,11 @@ class NoConfigError(RuntimeError):
     """No candidate config of a kernel compiled and ran for a key."""
 
 
-def _env_configs():
-    """TILEWISE_ATTN_CONFIGS='fwd=128,64,8,3/64,64,4,3;dq=128,64,8,2' replaces a kernel's candidates."""
-    text = os.environ.get("TILEWISE_ATTN_CONFIGS", "").strip()
+def _env_configs(var="TILEWISE_ATTN_CONFIGS", names=None):
+    """TILEWISE_ATTN_CONFIGS='fwd=128,64,8,3/64,64,4,3;dq=128,64,8,2' replaces a kernel's candidates (`var`
+    and the kernel `names` it may set: another family of kernels, such as the FP8 ones, has its own)."""
+    names = CONFIGS if names is None else names
+    text = os.environ.get(var, "").strip()
     if not text:
         return {}
     out = {}
@@ -594,9 +596,10 @@ def _env_configs():
         for part in filter(None, text.split(";")):
             name, cfgs = part.split("=")
             out[name.strip()] = [tuple(int(x) for x in c.split(",")) for c in cfgs.split("/")]
-        assert all(name in CONFIGS and all(len(c) == 4 for c in cs) for name, cs in out.items())
+        assert all(name in names and all(len(c) == 4 for c in cs) for name, cs in out.items())
     except (ValueError, AssertionError):
-        raise ValueError(f"TILEWISE_ATTN_CONFIGS={text!r}: expected 'fwd=BM,BN,WARPS,STAGES/...;dkdv=...;dq=...'")
+        example = ";".join(f"{n}=..." for n in names)
+        raise ValueError(f"{var}={text!r}: expected 'NAME=BM,BN,WARPS,STAGES/...' per kernel, e.g. {example}")
     return out
 
 
@@ -606,8 +609,13 @@ class _Kernel:
     is timed (TILEWISE_ATTN_AUTOTUNE=0: the first that compiles is taken, untimed). A candidate that fails
     to compile or launch is skipped; when none is left the key raises NoConfigError."""
 
-    def __init__(self, name, fn):
+    def __init__(self, name, fn, table=None, interpret_config=None, env_var="TILEWISE_ATTN_CONFIGS"):
         self.name, self.fn = name, fn
+        # The family's table {kernel name: {head_dim class: candidates}} (CONFIGS here; set_candidates edits
+        # it in place), the one config the interpreter runs, and the variable that may replace candidates.
+        self.table = CONFIGS if table is None else table
+        self.interpret_config = _INTERPRET_CONFIG[name] if interpret_config is None else interpret_config
+        self.env_var = env_var
         self.chosen = {}   # key -> config
         self.failed = {}   # key -> NoConfigError
         self.timings = {}  # key -> {config: ms, or the error it raised, or None when untimed}
@@ -615,13 +623,13 @@ class _Kernel:
 
     def candidates(self, block_d, use_tma):
         if _INTERPRET:
-            return [_INTERPRET_CONFIG[self.name]]
-        override = _env_configs().get(self.name)
+            return [self.interpret_config]
+        override = _env_configs(self.env_var, self.table).get(self.name)
         if override:
             return override
         cls = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
         path = "tma" if use_tma else "ptr"
-        return [tuple(c[:4]) for c in CONFIGS[self.name][cls] if len(c) == 4 or c[4] == path]
+        return [tuple(c[:4]) for c in self.table[self.name][cls] if len(c) == 4 or c[4] == path]
 
     def launch(self, cfg, grid, args, consts):
         bm, bn, warps, stages = cfg
@@ -685,8 +693,8 @@ def set_candidates(name, configs, head_dim=None):
     reset_tuning()
 
 
-def reset_tuning():
-    for kern in _KERNELS:
+def reset_tuning(kernels=None):
+    for kern in _KERNELS if kernels is None else kernels:
         kern.chosen.clear()
         kern.failed.clear()
         kern.timings.clear()
@@ -694,10 +702,10 @@ def reset_tuning():
     fallbacks.clear()
 
 
-def tuning_report():
+def tuning_report(kernels=None):
     """{kernel: [{"key": {...}, "chosen": config or None, "ms": {config: ms or error}}]} of this process."""
     report = {}
-    for kern in _KERNELS:
+    for kern in _KERNELS if kernels is None else kernels:
         rows = []
         for key, results in kern.timings.items():
             rows.append({"key": kern.described[key],
@@ -1026,52 +1034,53 @@ torch.library.register_autograd("tilewise::flash_attn_fwd", _op_backward, setup_
 # Public function
 # ----------------------------------------------------------------------------------------------
 
-def check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen):
-    """Raise ValueError naming what is wrong with the arguments of flash_attention."""
+def check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="flash_attention"):
+    """Raise ValueError naming what is wrong with the arguments of flash_attention (or of `fn`, a sibling
+    with the same interface)."""
     packed = cu_seqlens is not None
     rank = 3 if packed else 4
     layout = "(total_tokens, heads, head_dim)" if packed else "(batch, seqlen, heads, head_dim)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
-            raise ValueError(f"flash_attention: {name} has shape {tuple(t.shape)}; expected {rank} dims {layout}")
+            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)}; expected {rank} dims {layout}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+        raise ValueError(f"{fn}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"flash_attention: dtype {q.dtype} is not supported; use bf16, fp16 or fp32")
+        raise ValueError(f"{fn}: dtype {q.dtype} is not supported; use bf16, fp16 or fp32")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"flash_attention: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
+        raise ValueError(f"{fn}: q, k, v are on different devices ({q.device}, {k.device}, {v.device})")
     head_dim = q.shape[-1]
     if head_dim % 8 or head_dim > 256 or head_dim == 0:
-        raise ValueError(f"flash_attention: head_dim {head_dim} must be a multiple of 8 between 8 and 256")
+        raise ValueError(f"{fn}: head_dim {head_dim} must be a multiple of 8 between 8 and 256")
     if k.shape != v.shape:
-        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+        raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
     if k.shape[-1] != head_dim:
-        raise ValueError(f"flash_attention: q head_dim {head_dim} != k head_dim {k.shape[-1]}")
+        raise ValueError(f"{fn}: q head_dim {head_dim} != k head_dim {k.shape[-1]}")
     if not packed and q.shape[0] != k.shape[0]:
-        raise ValueError(f"flash_attention: q batch {q.shape[0]} != k batch {k.shape[0]}")
+        raise ValueError(f"{fn}: q batch {q.shape[0]} != k batch {k.shape[0]}")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"flash_attention: heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
+        raise ValueError(f"{fn}: heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
     if window is not None:
         if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
-            raise ValueError(f"flash_attention: window={window!r}; expected (left, right) ints >= -1 (-1 = unbounded)")
+            raise ValueError(f"{fn}: window={window!r}; expected (left, right) ints >= -1 (-1 = unbounded)")
     if packed:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("flash_attention: cu_seqlens must be a 1-d tensor of batch+1 offsets")
+            raise ValueError(f"{fn}: cu_seqlens must be a 1-d tensor of batch+1 offsets")
         if cu_seqlens.dtype != torch.int32:
-            raise ValueError(f"flash_attention: cu_seqlens dtype is {cu_seqlens.dtype}; expected torch.int32")
+            raise ValueError(f"{fn}: cu_seqlens dtype is {cu_seqlens.dtype}; expected torch.int32")
         if q.shape[0] != k.shape[0]:
-            raise ValueError(f"flash_attention: packed q has {q.shape[0]} tokens but k has {k.shape[0]}")
+            raise ValueError(f"{fn}: packed q has {q.shape[0]} tokens but k has {k.shape[0]}")
         if torch.compiler.is_compiling():
             return  # the offsets are data: reading them would break the graph; checked in eager runs
         # One small host read, only on the packed path: bad offsets would read out of bounds.
         offsets = cu_seqlens.cpu()
         if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) != q.shape[0]:
-            raise ValueError(f"flash_attention: cu_seqlens must start at 0, not decrease, and end at total_tokens={q.shape[0]}")
+            raise ValueError(f"{fn}: cu_seqlens must start at 0, not decrease, and end at total_tokens={q.shape[0]}")
         if max_seqlen is not None and int((offsets[1:] - offsets[:-1]).max()) > max_seqlen:
-            raise ValueError(f"flash_attention: a sequence is longer than max_seqlen={max_seqlen}")
+            raise ValueError(f"{fn}: a sequence is longer than max_seqlen={max_seqlen}")
 
 
 def _effective_window(causal, window):
