@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tilewise import ops
-from tilewise.ops.cross_entropy import (ce_rows, cross_entropy_reference, default_chunk_rows,
+from tilewise.ops.cross_entropy import (RowConfig, ce_rows, cross_entropy_reference, default_chunk_rows,
                                         linear_cross_entropy_fused)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -149,20 +149,26 @@ def test_cross_entropy_3d_and_strided_logits(device):
     assert (x.grad[..., 100:] == 0).all()
 
 
+# Row-kernel launches: 128-wide slices (the 1000-wide rows take 8, the last partial), the whole row in
+# registers, and both with 1 program per "SM" (the interpreter counts 2), striding over the 9 rows.
+ROW_CONFIGS = [RowConfig(128, 1), RowConfig(1024, 2), RowConfig(128, 1, 1), RowConfig(1024, 8, 1)]
+
+
+@pytest.mark.parametrize("config", ROW_CONFIGS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_kernel_writes_every_element(dtype, device):
-    """The launcher on NaN-filled outputs, with 128-wide slices so the 1000-wide rows take 8 of them, the
-    last partial; then the forward and backward in one launch writing the gradient over the logits."""
+def test_row_kernel_writes_every_element(dtype, config, device):
+    """The launcher on NaN-filled outputs, forward and backward apart; then both in one launch writing the
+    gradient over the logits, which must give the same bits."""
     gen = torch.Generator().manual_seed(4)
     rows, vocab = 9, 1000
     logits = (2 * torch.randn(rows, vocab, generator=gen)).to(device, dtype)
     target = make_targets(rows, vocab, gen, device, every=3)
     nan = dict(device=device, dtype=torch.float32)
     loss, lse = torch.full((rows,), math.nan, **nan), torch.full((rows,), math.nan, **nan)
-    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, loss=loss, lse=lse, block_v=128)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, loss=loss, lse=lse, config=config)
     grad = torch.full_like(logits, math.nan)
     scale = torch.rand(rows, generator=gen).to(device)
-    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, lse=lse, grad=grad, scale=scale, block_v=128)
+    ce_rows(logits, target, ignore_index=-100, z_loss=1e-3, lse=lse, grad=grad, scale=scale, config=config)
 
     x64 = logits.double().requires_grad_()
     ref = cross_entropy_reference(x64, target, z_loss=1e-3, reduction="none")
@@ -177,9 +183,29 @@ def test_row_kernel_writes_every_element(dtype, device):
     inplace = logits.clone()
     loss2 = torch.full((rows,), math.nan, **nan)
     ce_rows(inplace, target, ignore_index=-100, z_loss=1e-3, loss=loss2, lse=lse, grad=inplace, scale=scale,
-            block_v=128)
+            config=config)
     assert torch.equal(loss2, loss)
     assert torch.equal(inplace, grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_whole_row_max_of_16_bit_logits(dtype, device):
+    """The row held in registers takes its max without widening (bf16 through integer keys): rows all
+    negative, with -inf, -0.0 and the max in the last column, against the float64 logsumexp."""
+    gen = torch.Generator().manual_seed(13)
+    logits = -(torch.rand(4, 300, generator=gen) * 50 + 1)
+    logits[0, :7] = float("-inf")
+    logits[1, 5] = -0.0
+    logits[2, -1] = 3.0
+    logits[3] = -60000.0
+    logits[3, 17] = -59000.0
+    logits = logits.to(device, dtype)
+    target = torch.tensor([10, 5, 299, 17], device=device)
+    loss, lse = torch.empty(4, device=device), torch.empty(4, device=device)
+    ce_rows(logits, target, ignore_index=-100, z_loss=0.0, loss=loss, lse=lse, config=RowConfig(512, 4))
+    assert rel_err(lse, torch.logsumexp(logits.double(), -1)) < FP32_TOL
+    ref = cross_entropy_reference(logits.double(), target, reduction="none")
+    assert rel_err(loss, ref) < FP32_TOL
 
 
 def test_out_of_range_target_raises():
@@ -278,11 +304,64 @@ def test_linear_cross_entropy_no_grad_matches():
     assert rel_err(loss, ref) < FP32_TOL
 
 
+@pytest.mark.parametrize("config", [RowConfig(1024, 4), RowConfig(256, 2, 1)], ids=str)
+def test_linear_cross_entropy_row_configs(config, device):
+    """The fused path with the whole row in registers and with strided programs: bf16 with z-loss, 19 rows
+    in chunks of 8, against float64."""
+    gen = torch.Generator().manual_seed(14)
+    inputs = _linear_case(19, 32, 1000, torch.bfloat16, device, gen, True)
+    target = inputs[3]
+    h, w, b = _leaves(*inputs[:3])
+    with ops.use("triton"):
+        loss = linear_cross_entropy_fused(h, w, target, bias=b, z_loss=1e-3, chunk_rows=8, row_config=config)
+    loss.backward()
+    h64, w64, b64 = _leaves(*inputs[:3], dtype=torch.float64)
+    ref = cross_entropy_reference(F.linear(h64, w64, b64), target, z_loss=1e-3)
+    ref.backward()
+    hs, ws, bs = _leaves(*inputs[:3])
+    same = cross_entropy_reference(F.linear(hs, ws, bs), target, z_loss=1e-3)
+    same.backward()
+    check_close(loss, ref, same, "loss", torch.bfloat16)
+    for name, got, r, s_ in (("hidden", h, h64, hs), ("weight", w, w64, ws), ("bias", b, b64, bs)):
+        check_close(got.grad, r.grad, s_.grad, f"grad {name}", torch.bfloat16)
+
+
+def test_linear_cross_entropy_backward_twice(device):
+    """retain_graph: a second backward with another upstream gradient scales the stored gradients afresh
+    (they are not scaled in place)."""
+    gen = torch.Generator().manual_seed(15)
+    hidden, weight, _, target = _linear_case(10, 16, 70, torch.float32, device, gen, False)
+    h, w = _leaves(hidden, weight)
+    with ops.use("triton"):
+        loss = linear_cross_entropy_fused(h, w, target, chunk_rows=4)
+    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
+    first = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    loss.backward(torch.tensor(-0.5, device=device))
+    assert torch.allclose(h.grad, -0.25 * first[0], rtol=1e-6, atol=0)
+    assert torch.allclose(w.grad, -0.25 * first[1], rtol=1e-6, atol=0)
+
+
 def test_default_chunk_rows():
-    assert default_chunk_rows(16384, 50304, 2) == 2048  # 206 MB of bf16 logits per chunk
-    assert default_chunk_rows(16384, 50304, 4) == 1024
+    assert default_chunk_rows(16384, 50304, 2) == 4096  # 412 MB of bf16 logits per chunk, 4 chunks
+    assert default_chunk_rows(8192, 50304, 2) == 4096
     assert default_chunk_rows(10, 1000, 2) == 10
     assert default_chunk_rows(100, 300_000_000, 4) == 1
+    assert default_chunk_rows(0, 1000, 2) == 1
+
+
+@pytest.mark.parametrize("n_rows", [1, 127, 5000, 16384, 20000, 100_003])
+@pytest.mark.parametrize("vocab,element_size", [(50304, 2), (50304, 4), (32000, 2), (128256, 2), (7, 4)])
+def test_default_chunk_rows_properties(n_rows, vocab, element_size):
+    """Chunks within CHUNK_BYTES (or one row), as few as that allows, and of equal size in 128-row steps
+    (the last chunk is the only short one)."""
+    from tilewise.ops.cross_entropy import CHUNK_BYTES
+    rows = default_chunk_rows(n_rows, vocab, element_size)
+    most = max(1, CHUNK_BYTES // (vocab * element_size))
+    assert 1 <= rows <= min(n_rows, most)
+    assert math.ceil(n_rows / rows) == math.ceil(n_rows / most)
+    if rows < n_rows and rows >= 128:
+        assert rows % 128 == 0 or rows == most
 
 
 def test_reference_path_on_cpu_by_default():
@@ -327,6 +406,16 @@ def test_bad_input_raises():
             ops.linear_cross_entropy(h, w[0], t)
         with pytest.raises(ValueError, match="chunk_rows=0"):
             linear_cross_entropy_fused(h, w, t, chunk_rows=0)
+        with pytest.raises(TypeError, match="row_config"):
+            linear_cross_entropy_fused(h, w, t, row_config=(4096, 8))
+        with pytest.raises(ValueError, match="block_v=1000"):
+            linear_cross_entropy_fused(h, w, t, row_config=RowConfig(1000, 4))
+        with pytest.raises(ValueError, match="num_warps=64"):
+            linear_cross_entropy_fused(h, w, t, row_config=RowConfig(8192, 64))
+        with pytest.raises(ValueError, match="block_v=256 with num_warps=4"):
+            linear_cross_entropy_fused(h, w, t, row_config=RowConfig(256, 4))
+        with pytest.raises(ValueError, match="programs_per_sm=-1"):
+            linear_cross_entropy_fused(h, w, t, row_config=RowConfig(256, 2, -1))
 
 
 # -------------------------------------------------------------------------------------------- real sizes

@@ -1,20 +1,22 @@
 """Cross-entropy over a vocabulary, plain and fused with the output projection.
 
-cross_entropy: one Triton program per row. The forward streams the row in BLOCK_V slices keeping a
-running max and sum of exponentials (online logsumexp) and writes loss = lse - x[target] (+ z_loss * lse^2)
-and lse, one float each per row. The backward streams the row again and writes
-dlogits = (softmax - onehot + 2 * z_loss * lse * softmax) * scale, where scale is the upstream gradient over
-the number of counted targets. Bytes: forward reads the logits once; backward reads them once and writes
-the gradient once.
+cross_entropy: Triton programs over rows. The forward takes a row's logsumexp (an online max and sum of
+exponentials over BLOCK_V slices) and writes loss = lse - x[target] (+ z_loss * lse^2) and lse, one float
+each per row. The backward writes dlogits = (softmax - onehot + 2 * z_loss * lse * softmax) * scale, scale
+being the upstream gradient over the number of counted targets. A row no wider than BLOCK_V is loaded once
+and kept in registers between the two (WHOLE_ROW); a wider one is streamed twice, the second read often
+from L2. Bytes: forward reads the logits once; backward reads them once and writes the gradient once.
+How the rows are launched (slice width, warps, one program per row or a few per SM striding over the
+rows) is a RowConfig, picked by bench/cross_entropy.py --sweep.
 
-linear_cross_entropy: the (tokens, vocab) logits never exist. Rows go in chunks of about 256 MiB of
-logits; for each chunk cuBLAS writes the chunk's logits in the input dtype, one kernel launch does the
-forward and the backward of every row (its second read of a row mostly hits L2) and overwrites the logits
-with their gradient, then grad_hidden[chunk] = dlogits @ W and grad_W += dlogits.T @ hidden[chunk] in a
-float32 accumulator (one rounding to the weight's dtype at the end, as the unfused path has, however many
-chunks). All of it runs in the forward; the backward only multiplies the stored gradients by the upstream
-scalar. reduction="none" has a gradient per row, unknown in the forward, so its backward recomputes the
-chunk logits instead.
+linear_cross_entropy: the (tokens, vocab) logits never exist. Rows go in equal chunks of at most
+CHUNK_BYTES of logits; for each chunk cuBLAS writes the chunk's logits in the input dtype, one launch of the
+row kernel does the forward and the backward of every row and overwrites the logits with their gradient,
+then grad_hidden[chunk] = dlogits @ W goes straight into its slice and grad_W += dlogits.T @ hidden[chunk]
+is one GEMM with beta=1 into a float32 accumulator. All of it runs in the forward, stream-ordered, without
+a host sync; the backward multiplies by the upstream scalar, rounding grad_W to the weight's dtype in the
+same op (once, as the unfused path does, however many chunks). reduction="none" has a gradient per row,
+unknown in the forward, so its backward recomputes the chunk logits instead.
 
 ignore_index targets count neither in the loss nor in the mean and get zero gradient. z_loss adds
 z_loss * lse^2 per token (PaLM's auxiliary loss that keeps the softmax normalizer near 1). A target outside
@@ -23,8 +25,10 @@ The kernels take bf16, fp16 and fp32 and compute in fp32; float64 runs the refer
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,10 @@ from .dispatch import use_triton
 REDUCTIONS = ("mean", "sum", "none")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
-CHUNK_BYTES = 256 << 20  # logits of one row chunk in linear_cross_entropy: ~9% of the unfused peak at 16k x 50k
+# Logits of one row chunk in linear_cross_entropy. On the H200 at 16384 x 768 x 50304 bf16, 4096-row chunks
+# (412 MB) took 7.34 ms and 13.5% of the unfused path's peak memory, 2048-row chunks 7.76 ms and 9.4%.
+CHUNK_BYTES = 512 << 20
+WHOLE_ROW_MAX = 4096  # default RowConfig: rows up to this wide are read once (WHOLE_ROW)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -50,31 +57,84 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr, loss_ptr, lse_ptr,
-                   scale_ptr, stride_scale, n_vocab, ignore_index, z_loss,
-                   FORWARD: tl.constexpr, BACKWARD: tl.constexpr, HAS_Z: tl.constexpr,
-                   OUT_BF16: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row. FORWARD: loss and lse. BACKWARD: dlogits (may be written over the logits)."""
-    row = tl.program_id(0).to(tl.int64)
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _row_max(x):
+    """The max of a row held in registers, as fp32, computed without widening a 16-bit row: tl.max would,
+    and that fp32 copy would stay live into the backward (spilling at vocab 50304). bf16 goes through
+    order-preserving integer keys (the interpreter compares bf16 values wrongly)."""
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True)
+        low15 = tl.full([], 0x7FFF, tl.int16)
+        top = tl.reduce(bits ^ ((bits >> 15) & low15), 0, _maximum)
+        top = top ^ ((top >> 15) & low15)
+        return top.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    elif x.dtype == tl.float16:
+        return tl.reduce(x, 0, _maximum).to(tl.float32)
+    else:
+        return tl.max(x.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _widen(x):
+    """x to fp32; bf16 by integer ops, a conversion the compiler does not merge with x.to(tl.float32)
+    (merged, one fp32 copy of the row would stay live from the forward into the backward)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _dlogits(x, cols, target, lse, scale, z_coef, HAS_Z: tl.constexpr, OUT_BF16: tl.constexpr):
+    """The gradient of one slice of a row, fp32 in; rounded to bf16 when the output is bf16."""
+    p = tl.exp(x - lse)
+    g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
+    if HAS_Z:
+        g += p * z_coef
+    if OUT_BF16:
+        g = _round_to_bf16(g)
+    return g
+
+
+@triton.jit
+def _ce_row(row, logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr, loss_ptr, lse_ptr, scale_ptr,
+            stride_scale, n_vocab, ignore_index, z_loss, FORWARD: tl.constexpr, BACKWARD: tl.constexpr,
+            HAS_Z: tl.constexpr, OUT_BF16: tl.constexpr, WHOLE_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row (int64 index). FORWARD: loss and lse. BACKWARD: dlogits (may be written over the logits)."""
+    cols0 = tl.arange(0, BLOCK_V)
     x_row = logits_ptr + row * stride_logits
     target = tl.load(target_ptr + row).to(tl.int64)
     valid = target != ignore_index
     out_of_range = (target < 0) | (target >= n_vocab)
-    cols0 = tl.arange(0, BLOCK_V)
+    counted = valid & (not out_of_range)
+    # The column to subtract one at, as int32 (cols are int32: an int64 compare doubles their registers).
+    hot = tl.where(counted, target, -1).to(tl.int32)
+    if FORWARD:
+        # Read x[target] first: when the gradient overwrites the logits, the cross-warp reductions below
+        # (barriers) order this read before any warp's first store.
+        x_t = tl.load(x_row + target, mask=counted, other=0.0).to(tl.float32)
+    if WHOLE_ROW:
+        # Kept in the input dtype between the passes, widened where used: half the registers of fp32.
+        x_all = tl.load(x_row + cols0, mask=cols0 < n_vocab, other=float("-inf"))
 
     if FORWARD:
-        # Read x[target] before the loop: when the gradient overwrites the logits, the loop's cross-warp
-        # reductions (barriers) order this read before any warp's first store.
-        x_t = tl.load(x_row + target, mask=valid & (not out_of_range), other=0.0).to(tl.float32)
-        # -1e30, not -inf, so that a slice whose logits are all -inf cannot make exp(-inf - -inf) = NaN.
-        m = tl.full([], -1.0e30, tl.float32)
-        s = tl.full([], 0.0, tl.float32)
-        for start in range(0, n_vocab, BLOCK_V):
-            cols = start + cols0
-            x = tl.load(x_row + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
+        # -1e30, not -inf, so that a row (or slice) of -inf logits cannot make exp(-inf - -inf) = NaN.
+        if WHOLE_ROW:
+            # The sum of exponentials widens the row in a conversion that dies as it is summed.
+            m = tl.maximum(_row_max(x_all), -1.0e30)
+            s = tl.sum(tl.exp(x_all.to(tl.float32) - m), axis=0)
+        else:
+            m = tl.full([], -1.0e30, tl.float32)
+            s = tl.full([], 0.0, tl.float32)
+            for start in range(0, n_vocab, BLOCK_V):
+                cols = start + cols0
+                x = tl.load(x_row + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
         lse = m + tl.log(s)
         loss = lse - x_t
         if HAS_Z:
@@ -91,57 +151,114 @@ def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
         scale = tl.where(valid, scale, 0.0)
         z_coef = 2.0 * z_loss * lse * scale
         g_row = grad_ptr + row * stride_grad
-        for start in range(0, n_vocab, BLOCK_V):
-            cols = start + cols0
-            mask = cols < n_vocab
-            x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            p = tl.exp(x - lse)
-            g = (p - tl.where(cols == target, 1.0, 0.0)) * scale
-            if HAS_Z:
-                g += p * z_coef
-            if OUT_BF16:
-                g = _round_to_bf16(g)
-            tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+        if WHOLE_ROW:
+            g = _dlogits(_widen(x_all), cols0, hot, lse, scale, z_coef, HAS_Z, OUT_BF16)
+            tl.store(g_row + cols0, g.to(grad_ptr.dtype.element_ty), mask=cols0 < n_vocab)
+        else:
+            for start in range(0, n_vocab, BLOCK_V):
+                cols = start + cols0
+                mask = cols < n_vocab
+                x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                g = _dlogits(x, cols, hot, lse, scale, z_coef, HAS_Z, OUT_BF16)
+                tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_row_kernel(logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr, loss_ptr, lse_ptr,
+                   scale_ptr, stride_scale, n_rows, n_vocab, ignore_index, z_loss,
+                   FORWARD: tl.constexpr, BACKWARD: tl.constexpr, HAS_Z: tl.constexpr, OUT_BF16: tl.constexpr,
+                   WHOLE_ROW: tl.constexpr, BLOCK_V: tl.constexpr, STRIDED: tl.constexpr):
+    """Row pid; STRIDED: rows pid, pid + programs, ... (no loop otherwise: the compiler would hoist the
+    column indices out of it and hold them in registers across rows)."""
+    if STRIDED:
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _ce_row(tl.cast(row, tl.int64), logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
+                    loss_ptr, lse_ptr, scale_ptr, stride_scale, n_vocab, ignore_index, z_loss,
+                    FORWARD, BACKWARD, HAS_Z, OUT_BF16, WHOLE_ROW, BLOCK_V)
+    else:
+        _ce_row(tl.program_id(0).to(tl.int64), logits_ptr, stride_logits, grad_ptr, stride_grad, target_ptr,
+                loss_ptr, lse_ptr, scale_ptr, stride_scale, n_vocab, ignore_index, z_loss,
+                FORWARD, BACKWARD, HAS_Z, OUT_BF16, WHOLE_ROW, BLOCK_V)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
 
-def _block_v(n_vocab):
-    return max(128, min(4096, triton.next_power_of_2(n_vocab)))
+@dataclass(frozen=True)
+class RowConfig:
+    """How the row kernel is launched. block_v: the vocabulary slice a loop step reads, a power of two
+    >= 128; one that covers the row holds it in registers and reads it once (for bf16 at vocab 50304,
+    RowConfig(65536, 32) compiles for sm_90 without register spills). num_warps per program.
+    programs_per_sm: 0 runs one program per row; k runs k x (SM count) programs, each striding over the
+    rows, which bounds the rows in flight (and so what the backward's second read of a row needs from L2)."""
+    block_v: int
+    num_warps: int
+    programs_per_sm: int = 0
+
+    def check(self):
+        b, w, p = self.block_v, self.num_warps, self.programs_per_sm
+        for name, v in (("block_v", b), ("num_warps", w), ("programs_per_sm", p)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"RowConfig: {name}={v!r}; expected an int")
+        if b < 128 or b & (b - 1):
+            raise ValueError(f"RowConfig: block_v={b}; expected a power of two >= 128")
+        if w not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"RowConfig: num_warps={w}; expected a power of two from 1 to 32")
+        # At least 4 elements per thread: no element is held by two threads, which could race when the
+        # gradient is written over the logits.
+        if b < 128 * w:
+            raise ValueError(f"RowConfig: block_v={b} with num_warps={w}; expected block_v >= 128 * num_warps")
+        if p < 0:
+            raise ValueError(f"RowConfig: programs_per_sm={p}; expected 0 (one program per row) or more")
+        return self
 
 
-def _num_warps(block):
-    # At least 4 elements per thread: no element is held by two threads, which could race when the
-    # gradient is written over the logits.
-    return max(1, min(8, block // 512))
+# The launch of rows wider than WHOLE_ROW_MAX: 16384 x 50304 bf16 took 1.32 ms forward+backward on the
+# H200 (87% of the copy bandwidth, counting two reads and a write).
+WIDE_ROWS = RowConfig(4096, 8)
 
 
-def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=None, scale=None,
-            block_v=None):
+def default_row_config(n_vocab):
+    """The whole row when it is at most WHOLE_ROW_MAX wide (up to 8 warps), else WIDE_ROWS."""
+    block = max(128, triton.next_power_of_2(n_vocab))
+    if block <= WHOLE_ROW_MAX:
+        return RowConfig(block, max(1, min(8, block // 512)))
+    return WIDE_ROWS
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: a small grid, so that a test sees programs striding over several rows
+
+
+def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=None, scale=None, config=None):
     """Run the row kernel on 2-D logits (rows, vocab) with unit column stride and 1-D target (rows,).
 
     With loss given, the forward writes loss and lse (float32, (rows,)); without it lse is read. With grad
     given (it may be logits itself), the backward writes dlogits scaled by `scale`: float32 of one element
-    (every row) or (rows,) (one per row).
+    (every row) or (rows,) (one per row). config: a RowConfig, None for default_row_config(vocab).
+    Returns the launched kernel (the benchmark reads its n_regs and n_spills), None for no rows.
     """
     n_rows, n_vocab = logits.shape
     if n_rows == 0:
-        return
+        return None
+    config = (config or default_row_config(n_vocab)).check()
     forward, backward = loss is not None, grad is not None
     if backward:
         per_row = scale.numel() == n_rows and n_rows > 1
         stride_scale = scale.stride(0) if per_row else 0
     else:
         scale, stride_scale = lse, 0
-    block = block_v or _block_v(n_vocab)
-    if block < 128 or block & (block - 1):
-        raise ValueError(f"ce_rows: block_v={block_v}; expected a power of two >= 128")
-    _ce_row_kernel[(n_rows,)](
+    programs = n_rows
+    if config.programs_per_sm:
+        programs = min(n_rows, config.programs_per_sm * _sm_count(logits.device))
+    return _ce_row_kernel[(programs,)](
         logits, logits.stride(0), grad if backward else logits, (grad if backward else logits).stride(0),
-        target, loss if forward else lse, lse, scale, stride_scale, n_vocab, ignore_index, float(z_loss),
-        FORWARD=forward, BACKWARD=backward, HAS_Z=z_loss != 0.0,
-        OUT_BF16=backward and grad.dtype == torch.bfloat16, BLOCK_V=block,
-        num_warps=_num_warps(block))
+        target, loss if forward else lse, lse, scale, stride_scale, n_rows, n_vocab, ignore_index,
+        float(z_loss), FORWARD=forward, BACKWARD=backward, HAS_Z=z_loss != 0.0,
+        OUT_BF16=backward and grad.dtype == torch.bfloat16, WHOLE_ROW=config.block_v >= n_vocab,
+        BLOCK_V=config.block_v, STRIDED=programs < n_rows, num_warps=config.num_warps)
 
 
 _FP32_OUT_MM_OK = {}  # (device, dtype) -> whether addmm(..., torch.float32) accumulates correctly there
@@ -180,16 +297,23 @@ def _mm_accumulate(acc, a, b, first):
 
 
 def default_chunk_rows(n_rows, n_vocab, element_size):
-    """Rows per chunk: a power of two whose logits take at most CHUNK_BYTES (at least 1, at most n_rows)."""
-    rows = max(1, CHUNK_BYTES // max(1, n_vocab * element_size))
-    rows = 1 << (rows.bit_length() - 1)
-    return max(1, min(rows, n_rows))
+    """Rows per chunk: the rows split into equal chunks whose logits take at most about CHUNK_BYTES, in a
+    multiple of 128 rows (cuBLAS tiles) where the chunk has that many; at least 1, at most n_rows."""
+    most = max(1, CHUNK_BYTES // max(1, n_vocab * element_size))
+    if n_rows <= most:
+        return max(1, n_rows)
+    chunks = -(-n_rows // most)
+    rows = -(-n_rows // chunks)
+    if rows >= 128:
+        rows = min(most, -(-rows // 128) * 128) if most >= 128 else rows
+    return rows
 
 
 def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, chunk_rows, loss=None,
-                  scale=None, want=(False, False, False), block_v=None):
+                  scale=None, want=(False, False, False), config=None):
     """Chunk loop of linear_cross_entropy. With loss: the forward (loss, lse); with any of want (grad of
-    hidden, weight, bias) also the backward, scaled by `scale` (one element or one per row)."""
+    hidden, weight, bias) also the backward, scaled by `scale` (one element or one per row). Returns
+    grad_hidden in hidden's dtype and grad_weight, grad_bias as float32 accumulators (or None)."""
     n, width = hidden.shape
     vocab = weight.shape[0]
     want_h, want_w, want_b = want
@@ -214,20 +338,21 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
             torch.addmm(bias, h, wt, out=logits)
         ce_rows(logits, target[start:stop], ignore_index=ignore_index, z_loss=z_loss,
                 loss=None if loss is None else loss[start:stop], lse=lse[start:stop],
-                grad=logits if grads else None, scale=scale[start:stop] if per_row else scale,
-                block_v=block_v)
+                grad=logits if grads else None, scale=scale[start:stop] if per_row else scale, config=config)
         if want_h:
             torch.mm(logits, weight, out=gh[start:stop])
         if want_w:
             _mm_accumulate(gw, logits.t(), h, first=i == 0)
         if want_b:
             gb += logits.sum(0, dtype=torch.float32)
-    del buf
-    if want_w and gw.dtype != weight.dtype:
-        gw = gw.to(weight.dtype)
-    if want_b:
-        gb = gb.to(bias.dtype)
     return gh, gw, gb
+
+
+def _times(t, g, dtype):
+    """t * g rounded once to dtype (one kernel, no float32 temporary); None stays None."""
+    if t is None:
+        return None
+    return torch.mul(t, g, out=torch.empty(t.shape, device=t.device, dtype=dtype))
 
 
 def _mean_scale(target, ignore_index, reduction):
@@ -249,8 +374,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             logits2d = logits2d.contiguous()
         target1d = target.reshape(-1).contiguous()
         n = target1d.numel()
-        loss = torch.full((n,), float("nan"), device=logits.device, dtype=torch.float32)
-        lse = torch.full((n,), float("nan"), device=logits.device, dtype=torch.float32)
+        loss = torch.empty((n,), device=logits.device, dtype=torch.float32)  # the kernel writes every row
+        lse = torch.empty((n,), device=logits.device, dtype=torch.float32)
         ce_rows(logits2d, target1d, ignore_index=ignore_index, z_loss=z_loss, loss=loss, lse=lse)
         scale = _mean_scale(target1d, ignore_index, reduction) if reduction != "none" else None
         ctx.save_for_backward(logits2d, target1d, lse, scale)
@@ -274,15 +399,16 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, z_loss, reduction, chunk_rows):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, z_loss, reduction, chunk_rows, config):
         n = hidden.shape[0]
         hidden = hidden.contiguous()
         target = target.contiguous()
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.args = (ignore_index, z_loss, reduction, chunk_rows, want)
-        loss = torch.full((n,), float("nan"), device=hidden.device, dtype=torch.float32)
-        lse = torch.full((n,), float("nan"), device=hidden.device, dtype=torch.float32)
-        kw = dict(ignore_index=ignore_index, z_loss=z_loss, chunk_rows=chunk_rows, loss=loss)
+        ctx.args = (ignore_index, z_loss, reduction, chunk_rows, config, want, weight.dtype)
+        # The kernel writes every row of loss and lse, so they start empty.
+        loss = torch.empty((n,), device=hidden.device, dtype=torch.float32)
+        lse = torch.empty((n,), device=hidden.device, dtype=torch.float32)
+        kw = dict(ignore_index=ignore_index, z_loss=z_loss, chunk_rows=chunk_rows, loss=loss, config=config)
         if reduction == "none":
             _fused_chunks(hidden, weight, bias, target, lse, **kw)
             ctx.save_for_backward(hidden, weight, bias, target, lse)
@@ -294,16 +420,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        ignore_index, z_loss, reduction, chunk_rows, want = ctx.args
+        ignore_index, z_loss, reduction, chunk_rows, config, want, dtype = ctx.args
         if reduction == "none":
             hidden, weight, bias, target, lse = ctx.saved_tensors
             scale = grad_out.reshape(-1).to(torch.float32).contiguous()
-            grads = _fused_chunks(hidden, weight, bias, target, lse, ignore_index=ignore_index, z_loss=z_loss,
-                                  chunk_rows=chunk_rows, scale=scale, want=want)
+            gh, gw, gb = _fused_chunks(hidden, weight, bias, target, lse, ignore_index=ignore_index,
+                                       z_loss=z_loss, chunk_rows=chunk_rows, scale=scale, want=want,
+                                       config=config)
+            gw, gb = (None if t is None else t.to(dtype) for t in (gw, gb))
         else:
             g = grad_out.to(torch.float32)
-            grads = tuple(None if t is None else t * g for t in ctx.saved_tensors)
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+            gh, gw, gb = (_times(t, g, dtype) for t in ctx.saved_tensors)
+        return gh, gw, gb, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------ public functions
@@ -368,8 +496,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
 
 
 def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_index=-100, z_loss=0.0,
-                               reduction="mean", chunk_rows=None):
-    """linear_cross_entropy with the chunk size exposed (None: default_chunk_rows), for tests and tuning."""
+                               reduction="mean", chunk_rows=None, row_config=None):
+    """linear_cross_entropy with the chunk size (None: default_chunk_rows) and the row kernel's launch
+    (a RowConfig, None: default_row_config(vocab)) exposed, for tests and tuning."""
     name = "linear_cross_entropy"
     for what, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -393,6 +522,10 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
                              f"({weight.shape[0]},) {weight.dtype} on {weight.device}")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"{name}: chunk_rows={chunk_rows!r}; expected None or an int >= 1")
+    if row_config is not None:
+        if not isinstance(row_config, RowConfig):
+            raise TypeError(f"{name}: row_config is a {type(row_config).__name__}; expected a RowConfig or None")
+        row_config.check()
     _check(tuple(hidden.shape[:-1]) + (weight.shape[0],), target, reduction, name, device=hidden.device,
            ignore_index=ignore_index, z_loss=z_loss)
     if not (use_triton(hidden) and hidden.dtype in KERNEL_DTYPES):
@@ -403,7 +536,7 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
     if chunk_rows is None:
         chunk_rows = default_chunk_rows(hidden2d.shape[0], weight.shape[0], hidden.element_size())
     loss = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, target1d, int(ignore_index), float(z_loss),
-                                            reduction, chunk_rows)
+                                            reduction, chunk_rows, row_config)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
