@@ -1,7 +1,7 @@
 """The fused FP8 cast kernels (tilewise.ops.fp8_cast) against the PyTorch reference and float64 bounds.
 
 On CPU the Triton kernels run in the interpreter (small shapes); gpu-marked tests repeat them at real
-sizes with the autotuned kernel.
+sizes with the default tiles and every sweep candidate.
 """
 import math
 import os
@@ -13,7 +13,8 @@ import torch
 
 from tilewise import ops
 from tilewise.ops import fp8_cast as fp8_cast_module
-from tilewise.ops.fp8_cast import (FP8_MAX, fallbacks, fp8_cast, fp8_cast_current, fp8_cast_current_reference,
+from tilewise.ops.fp8_cast import (FP8_MAX, block_dequantize_reference, fallbacks, fp8_block_cast,
+                                   fp8_block_cast_reference, fp8_cast, fp8_cast_current, fp8_cast_current_reference,
                                    fp8_cast_reference)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -201,21 +202,102 @@ def test_bad_arguments_raise():
         fp8_cast_current(x, torch.float8_e4m3fn, one, margin=-1)
 
 
+# ----------------------------------------------------------------------------------------------------
+# 1x128 block scaling (recipe "blockwise")
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_block_cast_matches_reference_bits(fp8_dtype, in_dtype, device):
+    """Both copies and both scale grids bit-equal to the reference, partial blocks at both ends, a zero
+    segment (scale 1, zeros), an inf (scale 1: saturates) and a NaN (stays NaN, wins the amax)."""
+    M, N = 200, 300
+    x = spread((M, N), in_dtype, device, lo=-5, hi=3)  # column magnitudes over 8 decades: scales differ a lot
+    x[64, 128:256] = 0           # row 64's second 128-column segment
+    x[128:, 7] = 0               # column 7's second 128-row segment (72 rows: a partial block)
+    x[130, 5], x[3, 40] = float("inf"), float("nan")
+    amax = torch.zeros(1, device=device)
+    with ops.use("triton"):
+        y, ys, yt, yts = fp8_block_cast(x, fp8_dtype, amax=amax, transpose=True)
+    ry, rys, ryt, ryts = fp8_block_cast_reference(x, fp8_dtype, transpose=True)
+    assert ys.shape == (3, M) and yts.shape == (2, N) and y.shape == (M, N) and yt.shape == (N, M)
+    assert not mismatch(y, ry), mismatch(y, ry)
+    assert not mismatch(yt, ryt), mismatch(yt, ryt)
+    assert torch.equal(ys, rys) and torch.equal(yts, ryts)
+    assert ys[1, 64] == 1 and (y[64, 128:256].float() == 0).all()
+    assert yts[1, 7] == 1 and (yt[7, 128:].float() == 0).all()
+    assert y.float()[130, 5] == FP8_MAX[fp8_dtype] and ys[0, 130] == 1  # inf saturates, its block keeps scale 1
+    assert torch.isnan(y.float()[3, 40]) and math.isnan(amax.item())
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's numpy: 448 / amax 0
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_block_dequantize_error_bound_and_outlier_isolation(fp8_dtype, device):
+    """Every element within half an FP8 ulp of its own block's grid (float64 reference); a row of outliers
+    (x1e6, E5M2 x1e10) costs the other rows' row-wise copy nothing, where a per-tensor cast flushes them
+    toward zero."""
+    M, N = 256, 256
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(M, N, generator=g)
+    x[5] *= 1e6 if fp8_dtype == torch.float8_e4m3fn else 1e10  # past the format's range below its max
+    x = x.to(device)
+    with ops.use("triton"):
+        y, ys, yt, yts = fp8_block_cast(x, fp8_dtype, transpose=True)
+    emin, m = GRID[fp8_dtype]
+    x64 = x.double()
+    for q, s, ref in ((y, ys, x64), (yt, yts, x64.t())):
+        deq = block_dequantize_reference(q, s).double()
+        inv = s.double().t().repeat_interleave(128, dim=1)[:, :ref.shape[1]]
+        bound = torch.maximum(ref.abs() * 2.0 ** -(m + 1), 2.0 ** (emin - m - 1) * inv)
+        assert ((deq - ref).abs() <= bound * (1 + 1e-6)).all()
+    others = torch.ones(M, dtype=torch.bool)
+    others[5] = False
+    deq = block_dequantize_reference(y, ys).double()
+    block_err = ((deq - x64)[others].norm() / x64[others].norm()).item()
+    scale = torch.tensor([FP8_MAX[fp8_dtype] / x.abs().max().item()], device=device)
+    with ops.use("triton"):
+        yp, _ = fp8_cast(x, fp8_dtype, scale)
+    tensor_err = ((yp.double() / scale.double() - x64)[others].norm() / x64[others].norm()).item()
+    assert block_err < 2.0 ** -(m + 1) and tensor_err > 4 * block_err, (block_err, tensor_err)
+
+
+def test_block_cast_column_sums_and_transpose_only(device):
+    x = torch.randn(160, 136, device=device, dtype=torch.bfloat16)
+    sums = torch.full((136,), float("nan"), device=device)
+    with ops.use("triton"):
+        y, ys, yt, yts = fp8_block_cast(x, torch.float8_e5m2, rowwise=False, transpose=True, col_sums=sums)
+    want = x.double().sum(0)
+    assert y is None and ys is None and yt.shape == (136, 160) and yts.shape == (2, 136)
+    assert ((sums.double() - want).norm() / want.norm()).item() < 1e-6
+    _, _, ryt, ryts = fp8_block_cast_reference(x, torch.float8_e5m2, rowwise=False, transpose=True)
+    assert not mismatch(yt, ryt) and torch.equal(yts, ryts)
+
+
+def test_block_cast_bad_arguments():
+    x = torch.randn(8, 16)
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        fp8_block_cast(x, torch.bfloat16)
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_block_cast(x[None], torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="no output"):
+        fp8_block_cast(x, torch.float8_e4m3fn, rowwise=False)
+    with pytest.raises(TypeError, match="amax"):
+        fp8_block_cast(x, torch.float8_e4m3fn, amax=torch.zeros(2))
+
+
 def run_tiles(x, fp8_dtype, scale, tiles, current, margin=0):
-    """The cast with fixed tiles, run in turn on the same buffers as the autotuner's timing runs do.
+    """The cast with fixed tiles, run in turn on the same buffers (as a sweep's timing runs do).
     Returns (y, y_t, col_sums, amax, scales); outputs start as NaN."""
     M, N = x.shape
     dev = x.device
     y, yt = nan_fp8((M, N), fp8_dtype, dev), nan_fp8((N, M), fp8_dtype, dev)
     sums = torch.full((N,), float("nan"), device=dev)
     amax = torch.zeros(1, device=dev)
-    scratch = fp8_cast_module.current_scratch(dev)  # [amax bits of the amax pass, scale, 1/scale], 16-byte spaced
-    if current:
-        assert fp8_cast_module._launch_amax(x, scratch[:1].view(torch.int32))
-    assert fp8_cast_module._launch_cast(x, y, yt, scale, scratch[:1].view(torch.int32) if current else None,
-                                        scratch[fp8_cast_module.SCALE_INV_OFFSET:] if current else None,
-                                        amax.view(torch.int32), sums, fp8_dtype,
-                                        margin, current, tiles=tiles)
+    scratch = fp8_cast_module.current_scratch(dev)  # [scale, 1/scale, amax partials of the amax pass]
+    n_parts = fp8_cast_module._launch_amax(x, scratch) if current else 0
+    assert n_parts or not current
+    assert fp8_cast_module._launch_cast(x, y, yt, scale, scratch if current else None, n_parts,
+                                        amax.view(torch.int32), sums, fp8_dtype, margin, current, tiles=tiles)
     return y, yt, sums, amax, fp8_cast_module.current_scales(scratch)
 
 
@@ -253,10 +335,11 @@ def check_tiles(x, fp8_dtype, tiles, current):
 
 
 @pytest.mark.parametrize("current", [False, True])
-def test_autotuner_reruns_with_other_tiles_leave_the_right_result(current, device):
-    """Larger tiles alone, then tile sequences: the autotuner times every config on the real buffers. Column-sum partials laid out per tile gave a
-    wrong bias gradient on the H200 (rows a smaller tile wrote stayed for the larger winner to add twice);
-    the partials now hang off 32-row blocks, so any sequence of tiles leaves the same correct values."""
+def test_reruns_with_other_tiles_leave_the_right_result(current, device):
+    """Larger tiles alone, then tile sequences on the same buffers (a sweep, or a replayed CUDA graph, reruns
+    the kernel). Column-sum partials laid out per tile once gave a wrong bias gradient on the H200 (rows a
+    smaller tile wrote stayed for a larger one to add twice); the partials hang off 32-row blocks, so any
+    sequence of tiles leaves the same correct values."""
     x = torch.randn(200, 40, device=device, dtype=torch.bfloat16) * 3  # 200 rows: 7 blocks of 32, one partial
     problems = []
     for tiles in ([(64, 32, 4)], [(128, 64, 4)],
@@ -265,7 +348,16 @@ def test_autotuner_reruns_with_other_tiles_leave_the_right_result(current, devic
     assert not problems, "; ".join(problems)
 
 
-# Compiles (not runs) every autotuner config of the cast kernel, with the column sums and both scalings,
+def test_tile_table_is_sound():
+    """Every default tile and sweep candidate: BLOCK_M a multiple of the column-sum block and at least a
+    32-byte sector of the transposed FP8 copy, powers of two, at most 64K elements a tile."""
+    for bm, bn, warps in fp8_cast_module._CAST_CONFIGS + list(fp8_cast_module._TILES.values()):
+        assert bm % fp8_cast_module._SUB_M == 0 and bm >= 32
+        assert bm & (bm - 1) == 0 and bn & (bn - 1) == 0 and warps in (1, 2, 4, 8, 16)
+        assert bm * bn <= 65536
+
+
+# Compiles (not runs) every candidate config of the cast kernels, with the column sums and both scalings,
 # for sm_90 with the Triton at hand: Triton's own LLVM and ptxas, no GPU needed (TRITON_INTERPRET unset).
 _COMPILE_FOR_HOPPER = """
 import triton
@@ -273,16 +365,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tilewise.ops import fp8_cast as m
 target = GPUTarget("cuda", 90, 32)
-for c in m._CAST_CONFIGS:
+common = dict(EXACT_ROUND=False, SUB_M=m._SUB_M)
+for bm, bn, warps in m._CAST_CONFIGS:
     for current in (False, True):
         sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32",
-               "scale_ptr": "*fp32", "amax_in_ptr": "*i32" if current else "*fp32", "scale_out_ptr": "*fp32",
-               "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32", "inv_margin": "fp32"}
-        consts = dict(CURRENT=current, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True,
-                      EXACT_ROUND=False, EMIN=-6, MBITS=3, SUB_M=m._SUB_M, **c.kwargs)
-        triton.compile(ASTSource(m._fp8_cast_kernel, sig, consts), target=target, options={"num_warps": c.num_warps})
-triton.compile(ASTSource(m._amax_kernel, {"x_ptr": "*bf16", "numel": "i32", "amax_ptr": "*i32"}, {"BLOCK": 4096}),
-               target=target, options={"num_warps": 8})
+               "scale_ptr": "*fp32", "scratch_ptr": "*fp32", "n_parts": "i32", "amax_acc_ptr": "*i32",
+               "colsum_ptr": "*fp32", "fp8_max": "fp32", "inv_margin": "fp32"}
+        consts = dict(CURRENT=current, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True, EMIN=-6, MBITS=3,
+                      PARTS=m._PARTS, PARTS_AT=m._PARTS_AT, SCALE_INV_AT=m.SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn,
+                      **common)
+        triton.compile(ASTSource(m._fp8_cast_kernel, sig, consts), target=target, options={"num_warps": warps})
+for x_ty, y_ty, emin, mbits in (("*bf16", "*fp8e4nv", -6, 3), ("*fp32", "*fp8e5", -14, 2)):
+    for warps in (4, 8):
+        sig = {"x_ptr": x_ty, "y_ptr": y_ty, "yt_ptr": y_ty, "ys_ptr": "*fp32", "yts_ptr": "*fp32", "M": "i32",
+               "N": "i32", "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32"}
+        consts = dict(WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True, EMIN=emin, MBITS=mbits,
+                      BLOCK_S=m.BLOCK, **common)
+        triton.compile(ASTSource(m._fp8_block_cast_kernel, sig, consts), target=target, options={"num_warps": warps})
+triton.compile(ASTSource(m._amax_partials_kernel, {"x_ptr": "*bf16", "numel": "i32", "scratch_ptr": "*fp32"},
+                         {"PARTS_AT": m._PARTS_AT, "BLOCK_E": 4096}), target=target, options={"num_warps": 8})
 print("compiled", triton.__version__)
 """
 
@@ -300,7 +401,7 @@ def test_kernels_compile_for_hopper():
 
 
 # ----------------------------------------------------------------------------------------------------
-# The H200: real sizes, the autotuned kernel. Each test gathers every measurement and fails once with
+# The H200: real sizes, the default tiles. Each test gathers every measurement and fails once with
 # all of them, so one log line tells what went wrong and by how much.
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -349,11 +450,11 @@ def test_gpu_kernel_matches_reference(fp8_dtype, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("current", [False, True])
 @pytest.mark.parametrize("shape", [(1000, 3000), (16384, 768)])
-def test_gpu_every_config_and_autotuner_reruns(current, shape):
-    """Each autotuner config alone, then all of them in turn on the same buffers (what autotuning does)."""
+def test_gpu_every_config_and_reruns(current, shape):
+    """Each candidate config alone, then all of them in turn on the same buffers (what a sweep does)."""
     torch.manual_seed(1)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
-    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in fp8_cast_module._CAST_CONFIGS]
+    tiles = list(fp8_cast_module._CAST_CONFIGS)
     problems = []
     for run in [[t] for t in tiles] + [tiles, tiles[::-1]]:
         problems += [f"tiles {run}: {p}" for p in check_tiles(x, torch.float8_e4m3fn, run, current)]

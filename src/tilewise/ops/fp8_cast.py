@@ -1,20 +1,30 @@
-"""Saturating per-tensor casts to FP8 (E4M3 / E5M2), fused with the transposed copy and the amax.
+"""FP8 casts: saturating E4M3 / E5M2 copies of a tensor, fused with its transposed copy (the operand layout
+the weight-gradient GEMM needs), its amax and, for an output gradient, its column sums (the bias gradient),
+all from one read of the tensor.
 
-y = clamp(x * scale, -fp8_max, fp8_max) rounded to nearest even in the FP8 dtype. One pass over a 2-D
-tile grid reads x once and writes y (row-major), y^T (the operand layout the weight-gradient GEMM needs)
-or both, and folds max|x| into a float32 amax with an int32 atomic max on its bits: for non-negative
-floats, and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach
-the scale update, which then skips them.
-Optionally the same pass sums x's columns (the bias gradient when x is dy) over blocks of 32 rows into a
-(rows/32, cols) fp32 partials buffer that one torch.sum reduces: deterministic, no float atomics. The
-partials' layout does not depend on the tile size, so the autotuner's reruns with other tiles (which write
-into the same buffer) leave the same values in every slot; a per-tile layout left stale partials there.
-Bytes, delayed scaling: read 2 (bf16) or 4 (fp32) per element, write 1 per copy. Current scaling needs
-this step's amax before it can scale, so it first runs an amax pass (a second read of x); the cast
-kernel then derives scale = fp8_max / amax / 2^margin on the device, falling back to the given scale
-when amax is 0, inf or NaN. Nothing here synchronizes with the host.
-A kernel variant that does not compile on the machine at hand falls back to a path computing the same
-function (warned once, listed by fallbacks()), so a Triton upgrade degrades speed, never results.
+Two ways to scale, one kernel each:
+- Per tensor (recipes "delayed" and "current"): y = clamp(x * scale, +-fp8_max), rounded to nearest even.
+  Delayed scaling takes last step's scale from the device, so the cast is one pass: read 2 (bf16) or 4
+  (fp32) bytes an element, write 1 per copy. Current scaling needs this tensor's amax first: one program
+  per slice of x writes its partial maximum (a second read of x), and the cast kernel folds the partials
+  itself, derives scale = fp8_max / amax / 2^margin (the given fallback where amax is 0, inf or NaN) and
+  publishes scale and 1/scale. Nothing is zero-filled and nothing waits for the host.
+- Per 1x128 block (recipe "blockwise"): every 128-column segment of a row gets its own scale, fp8_max over
+  the segment's amax, and the transposed copy's rows (x's columns) get their own scales over 128-row
+  segments of x. A 128x128 tile holds both kinds of segment, so both copies and both scale grids come
+  from one read. The scales of a copy of shape (R, C) are stored as a (C/128, R) float32 array of inverse
+  scales: its transpose is the (R, C/128) outer-dim-major grid torch._scaled_mm wants for a left operand,
+  and the array itself the (C/128, R) grid it wants for a right operand given as a transposed view.
+The amax: max|x| folded into a float32 slot with an int32 atomic max on its bits. For non-negative floats,
+and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach the scale
+update, which then skips them.
+Column sums: per 32-row block into a (rows/32, cols) fp32 buffer that one torch.sum reduces. Deterministic
+(no float atomics), and the same values whatever the tile, so a rerun with another tile is harmless.
+Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
+every new shape and cannot run inside a CUDA graph capture. `bench/fp8.py --sweep` times the candidates
+(_CAST_CONFIGS) on the GPU. A kernel variant that does not compile on the machine at hand falls back to a
+path computing the same function (warned once, listed by fallbacks()), so a Triton upgrade costs speed,
+never results.
 """
 from __future__ import annotations
 
@@ -27,7 +37,6 @@ import triton
 import triton.compiler.errors
 import triton.language as tl
 import triton.runtime.errors
-import triton.testing
 
 from .dispatch import use_triton
 
@@ -35,6 +44,14 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Smallest normal exponent and mantissa bits, for rounding onto the FP8 grid (interpreter only, below).
 _FP8_GRID = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCK = 128                    # the block-scaling segment length (the "128" of 1x128)
+_SUB_M = 32                    # rows per column-sum partial; divides every tile's BLOCK_M
+_PARTS = 512                   # most amax partials of a current-scaling pass (one per program)
+_MAX_ELEMENTS = 2 ** 31 - 2 ** 16  # the kernels index in int32, with a block of headroom
+# Current scaling's scratch (float32): [scale, pad x3, 1/scale, pad x3, partial maxima x _PARTS]. scale and
+# 1/scale each start a 16-byte block: torch._scaled_mm (cuBLASLt) rejects scale pointers that are not.
+SCALE_INV_OFFSET = 4
+_PARTS_AT = 8
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -47,16 +64,17 @@ def _abs_bits(x):
 
 
 @triton.jit
-def _amax_kernel(x_ptr, numel, amax_ptr, BLOCK: tl.constexpr):
-    """Grid-stride max|x| over a contiguous tensor; one atomic per program."""
+def _amax_partials_kernel(x_ptr, numel, scratch_ptr, PARTS_AT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program p writes max|x| over its grid-stride share of x into scratch[PARTS_AT + p], as float bits
+    (a program with nothing to read writes 0): every partial the cast kernel folds is written."""
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid * BLOCK, numel, step):
-        offs = start + tl.arange(0, BLOCK)
+    step = tl.num_programs(0) * BLOCK_E
+    acc = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(pid * BLOCK_E, numel, step):
+        offs = start + tl.arange(0, BLOCK_E)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, _abs_bits(x))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+    tl.store(scratch_ptr + PARTS_AT + pid, tl.max(acc, axis=0).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -76,18 +94,51 @@ def _round_to_fp8_grid(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
 
 
 @triton.jit
-def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
-                     scale_ptr, amax_in_ptr, scale_out_ptr, amax_acc_ptr, colsum_ptr,
+def _saturate_to_fp8(v, like_ptr, fp8_max, EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """clamp(v, +-fp8_max) (NaN stays NaN) in the FP8 type of like_ptr."""
+    v = tl.maximum(v, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    v = tl.minimum(v, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    out_ty = like_ptr.dtype.element_ty
+    if EXACT_ROUND:
+        v = _round_to_fp8_grid(v, EMIN, MBITS)
+        nan8 = tl.full([BLOCK_M, BLOCK_N], 0x7F, tl.uint8).to(out_ty, bitcast=True)  # NaN in both formats
+        y = tl.where(v == v, v.to(out_ty), nan8)
+    else:
+        y = v.to(out_ty)
+    return y
+
+
+@triton.jit
+def _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Column sums of each SUB_M-row block of the tile: partials row = global row // SUB_M."""
+    if BLOCK_M == SUB_M:  # one block: no reshape, no size-1 dimension
+        tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
+    else:
+        part = tl.sum(tl.reshape(x, [BLOCK_M // SUB_M, SUB_M, BLOCK_N]), axis=1)
+        rows = pid_m * (BLOCK_M // SUB_M) + tl.arange(0, BLOCK_M // SUB_M)
+        n_parts = (M + SUB_M - 1) // SUB_M
+        tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
+                 mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, colsum_ptr,
                      fp8_max, inv_margin,
                      CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
                      ACC_AMAX: tl.constexpr, COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                     EMIN: tl.constexpr, MBITS: tl.constexpr, SUB_M: tl.constexpr,
+                     EMIN: tl.constexpr, MBITS: tl.constexpr, SUB_M: tl.constexpr, PARTS: tl.constexpr,
+                     PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-tensor cast of one tile. CURRENT: the scale comes from the amax partials in scratch, and
+    program (0, 0) publishes [scale, 1/scale] there and folds the amax into amax_acc."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if CURRENT:
-        # Every program derives the same scale from the amax pass; program 0 publishes it.
-        amax_bits = tl.load(amax_in_ptr)
+        idx = tl.arange(0, PARTS)
+        parts = tl.load(scratch_ptr + PARTS_AT + idx, mask=idx < n_parts, other=0.0)
+        amax_bits = tl.max(parts.to(tl.int32, bitcast=True), axis=0)
         amax = amax_bits.to(tl.float32, bitcast=True)
         fallback = tl.load(scale_ptr)
         fresh = tl.math.div_rn(fp8_max, amax) * inv_margin
@@ -95,9 +146,8 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
         ok = (amax > 0.0) & (amax <= 3.4028234663852886e38) & (fresh <= 3.4028234663852886e38)
         scale = tl.where(ok, fresh, fallback)
         if (pid_m == 0) & (pid_n == 0):
-            tl.store(scale_out_ptr, scale)
-            # 1/scale four floats on (SCALE_INV_OFFSET): GEMM scales must sit at 16-byte aligned addresses
-            tl.store(scale_out_ptr + 4, tl.math.div_rn(1.0, scale))
+            tl.store(scratch_ptr, scale)
+            tl.store(scratch_ptr + SCALE_INV_AT, tl.math.div_rn(1.0, scale))
             if ACC_AMAX:
                 tl.atomic_max(amax_acc_ptr, amax_bits)
     else:
@@ -107,53 +157,71 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-
-    v = x * scale
-    v = tl.maximum(v, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    v = tl.minimum(v, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-    out_ty = yt_ptr.dtype.element_ty
-    if EXACT_ROUND:
-        v = _round_to_fp8_grid(v, EMIN, MBITS)
-        nan8 = tl.full([BLOCK_M, BLOCK_N], 0x7F, tl.uint8).to(out_ty, bitcast=True)  # NaN in both formats
-        y = tl.where(v == v, v.to(out_ty), nan8)
-    else:
-        y = v.to(out_ty)
-
+    y = _saturate_to_fp8(x * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
     if WRITE_Y:
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
     if WRITE_T:
         tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    if COL_SUMS:  # column sums of each SUB_M-row block of the tile: partials row = global row // SUB_M
-        if BLOCK_M == SUB_M:  # one block: no reshape, no size-1 dimension
-            tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
-        else:
-            part = tl.sum(tl.reshape(x, [BLOCK_M // SUB_M, SUB_M, BLOCK_N]), axis=1)
-            rows = pid_m * (BLOCK_M // SUB_M) + tl.arange(0, BLOCK_M // SUB_M)
-            n_parts = (M + SUB_M - 1) // SUB_M
-            tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
-                     mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
+    if COL_SUMS:
+        _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M, BLOCK_M, BLOCK_N)
 
 
-_CAST_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w)
-    for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4))
-]
-_SUB_M = 32  # rows per column-sum partial; divides every config's BLOCK_M and the interpreter's tile
-assert all(c.kwargs["BLOCK_M"] % _SUB_M == 0 for c in _CAST_CONFIGS)
-# Autotuning reruns the kernel with every config on the real buffers: harmless only because every side
-# effect is idempotent and tile-independent (the stores, the atomic max, the column-sum partials). Short
-# timing runs (5 + 20 ms a config): a memory-bound kernel of 10-300 us is measured often enough in that.
-_fp8_cast_kernel_tuned = triton.autotune(
-    _CAST_CONFIGS, key=["M", "N", "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"],
-    do_bench=lambda kernel_call, quantiles: triton.testing.do_bench(kernel_call, warmup=5, rep=20,
-                                                                    quantiles=quantiles))(_fp8_cast_kernel)
+@triton.jit
+def _block_scales(amax, fp8_max):
+    """scale = fp8_max / amax per block; 1 where amax is 0, inf or NaN or the scale overflows (a zero
+    block stays zero, inf saturates as in the per-tensor casts, NaN stays NaN)."""
+    fresh = tl.math.div_rn(fp8_max, amax)
+    ok = (amax > 0.0) & (amax <= 3.4028234663852886e38) & (fresh <= 3.4028234663852886e38)
+    return tl.where(ok, fresh, 1.0)
+
+
+@triton.jit
+def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc_ptr, colsum_ptr, fp8_max,
+                           WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr, ACC_AMAX: tl.constexpr,
+                           COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr,
+                           MBITS: tl.constexpr, SUB_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """1x128 block cast of one 128x128 tile: y's rows are scaled per 128 columns, ys[pid_n, row] = 1/scale;
+    y_t's rows (x's columns) per 128 rows of x, yts[pid_m, col] = 1/scale."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_n = pid_n * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = _abs_bits(x)
+    if WRITE_Y:
+        s = _block_scales(tl.max(bits, axis=1).to(tl.float32, bitcast=True), fp8_max)
+        y = _saturate_to_fp8(x * s[:, None], y_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S, BLOCK_S)
+        tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
+        tl.store(ys_ptr + pid_n * M + offs_m, tl.math.div_rn(1.0, s), mask=offs_m < M)
+    if WRITE_T:
+        s = _block_scales(tl.max(bits, axis=0).to(tl.float32, bitcast=True), fp8_max)
+        yt = _saturate_to_fp8(x * s[None, :], yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S, BLOCK_S)
+        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(yt), mask=tl.trans(mask))
+        tl.store(yts_ptr + pid_m * N + offs_n, tl.math.div_rn(1.0, s), mask=offs_n < N)
+    if ACC_AMAX:
+        tl.atomic_max(amax_acc_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+    if COL_SUMS:
+        _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M, BLOCK_S, BLOCK_S)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launchers
+# Launch configuration
 # ----------------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps) candidates of the per-tensor cast; bench/fp8.py --sweep times each.
+_CAST_CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4),
+                 (64, 256, 8), (256, 64, 8)]
+# The per-tensor tile by pass: "t" writes a transposed copy (with or without y), "y" only the row-major one.
+# A transposed FP8 copy wants BLOCK_M >= 32 (its rows are BLOCK_M bytes: at least one 32-byte sector), and a
+# bf16 read wants BLOCK_N >= 16; the rest is what the H200 sweep decides.
+_TILES = {"t": (128, 128, 8), "y": (64, 128, 4)}
+_BLOCK_WARPS = 8               # the block-scaling cast's warps (its tile is fixed at 128 x 128)
+_INTERPRETER_TILE = (32, 32, 4)
+assert all(bm % _SUB_M == 0 for bm, _, _ in _CAST_CONFIGS) and BLOCK % _SUB_M == 0
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -163,15 +231,32 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Kernel variants that failed to compile on this machine (another Triton, another GPU): key -> reason. The
-# casts then take a path that computes the same function (the fused column sums become a torch.sum; a
-# whole kernel becomes the PyTorch reference), warn once, and the gpu tests and bench/fp8.py report them.
-# Only compilation failures are caught, never errors of a kernel that ran.
+def _make_launcher(kernel):
+    """launch(grid, *args, **meta): tilewise.ops.launch.FastLauncher where that module exists (it launches
+    the compiled kernel directly after the first call), else Triton's own launch."""
+    try:
+        from .launch import FastLauncher
+    except ImportError:
+        return lambda grid, *args, **meta: kernel[grid](*args, **meta)
+    return FastLauncher(kernel)
+
+
+_launch_cast_kernel = _make_launcher(_fp8_cast_kernel)
+_launch_block_kernel = _make_launcher(_fp8_block_cast_kernel)
+_launch_amax_kernel = _make_launcher(_amax_partials_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+# Kernel variants that failed to compile on this machine (another Triton, another GPU): key -> (name,
+# reason). The casts then take a path that computes the same function (the fused column sums become a
+# torch.sum; a whole kernel becomes the PyTorch reference), warn once, and the gpu tests and bench/fp8.py
+# report them. Only compilation failures are caught, never errors of a kernel that ran.
 _FALLBACKS: dict = {}
 _COMPILE_ERRORS = tuple(e for e in (getattr(triton.compiler.errors, "CompilationError", None),
                                     getattr(triton.runtime.errors, "OutOfResources", None),
-                                    getattr(triton.runtime.errors, "PTXASError", None),
-                                    getattr(triton.runtime.errors, "AutotunerError", None)) if isinstance(e, type))
+                                    getattr(triton.runtime.errors, "PTXASError", None)) if isinstance(e, type))
 
 
 def fallbacks() -> dict:
@@ -179,8 +264,9 @@ def fallbacks() -> dict:
     return {name: why for name, why in _FALLBACKS.values()}
 
 
-def _compiled(key, launch) -> bool:
-    """launch() on the GPU; False, with a warning once, when the kernel does not compile here."""
+def _compiled(key, name, launch) -> bool:
+    """launch(); False, with a warning once, when the kernel does not compile here. name() names the
+    variant (called only then)."""
     if key in _FALLBACKS:
         return False
     try:
@@ -192,8 +278,7 @@ def _compiled(key, launch) -> bool:
             raise
         lines = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
-        name = "_amax_kernel" if key == "amax" else "_fp8_cast_kernel(" + ", ".join(
-            f"{k}={v}" for k, v in zip(("CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX", "COL_SUMS"), key)) + ")"
+        name = name()
         _FALLBACKS[key] = (name, why)
         warnings.warn(f"tilewise.ops.fp8_cast: {name} did not compile ({why}); using a slower path",
                       RuntimeWarning, stacklevel=3)
@@ -204,15 +289,18 @@ def _on_gpu(x) -> bool:
     return x.is_cuda and not _interpreting()
 
 
-def _launch_amax(x, amax_i32) -> bool:
+def _launch_amax(x, scratch) -> int:
+    """The current-scaling amax pass: partial maxima into scratch; returns how many (0: did not compile)."""
     numel = x.numel()
     if _on_gpu(x):
         block, warps = 4096, 8
-        progs = min(triton.cdiv(numel, block), 4 * _num_sms(x.device.index or 0))
-        return _compiled("amax", lambda: _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=block, num_warps=warps))
-    progs = min(triton.cdiv(numel, 1024), 4)
-    _amax_kernel[(progs,)](x, numel, amax_i32, BLOCK=1024, num_warps=4)
-    return True
+        parts = min(triton.cdiv(numel, block), _PARTS)
+        ok = _compiled("amax", lambda: "_amax_partials_kernel", lambda: _launch_amax_kernel(
+            (parts,), x, numel, scratch, PARTS_AT=_PARTS_AT, BLOCK_E=block, num_warps=warps))
+        return parts if ok else 0
+    parts = min(triton.cdiv(numel, 1024), 4)
+    _launch_amax_kernel((parts,), x, numel, scratch, PARTS_AT=_PARTS_AT, BLOCK_E=1024, num_warps=4)
+    return parts
 
 
 def _new_partials(M, N, device):
@@ -220,52 +308,82 @@ def _new_partials(M, N, device):
     return torch.empty(triton.cdiv(M, _SUB_M), N, dtype=torch.float32, device=device)
 
 
-def _launch_cast(x, y, yt, scale, amax_in, scale_out, amax_acc, col_sums, fp8_dtype, margin, current,
-                 tiles=None) -> bool:
-    """One pass of _fp8_cast_kernel; False when it does not compile here (the caller takes the reference).
-
-    tiles: [(BLOCK_M, BLOCK_N, num_warps), ...] replaces the autotuner: each runs in turn on the same
-    buffers, as the autotuner's timing runs do (the tests check that this leaves the right result).
-    """
-    M, N = x.shape
-    if M * N >= 2 ** 31:  # the kernels index in int32
-        raise ValueError(f"fp8 cast: x is {M} x {N}; at most 2^31 - 1 elements are supported")
-    emin, mbits = _FP8_GRID[fp8_dtype]
-    dummy = yt if yt is not None else y
-    flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_acc is not None,
-                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M)
-    if tiles is None and not _on_gpu(x):
-        tiles = [(32, 32, 4)]
-    direct = tiles is not None  # fixed tiles: no autotuner and no compile guard
-
-    def launch(partials):
-        args = (x, y if y is not None else dummy, yt if yt is not None else dummy, M, N,
-                scale, amax_in if amax_in is not None else scale,
-                scale_out if scale_out is not None else scale,
-                amax_acc if amax_acc is not None else scale.view(torch.int32),
-                partials if partials is not None else scale,
-                FP8_MAX[fp8_dtype], 2.0 ** -margin)
-        if direct:
-            for bm, bn, warps in tiles:
-                _fp8_cast_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-                    *args, **flags, COL_SUMS=partials is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-        else:
-            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
-            _fp8_cast_kernel_tuned[grid](*args, **flags, COL_SUMS=partials is not None)
-        return True
-
-    key = (current, y is not None, yt is not None, amax_acc is not None)
+def _with_col_sums(x, col_sums, key, name, launch) -> bool:
+    """launch(partials or None) with the fused column sums when col_sums is given; if only the fused
+    variant fails to compile, the cast alone and then a torch.sum (a second read of x)."""
     if col_sums is None:
-        return launch(None) if direct else _compiled(key + (False,), lambda: launch(None))
-    partials = _new_partials(M, N, x.device)
-    if launch(partials) if direct else _compiled(key + (True,), lambda: launch(partials)):
+        return _compiled(key + (False,), name, lambda: launch(None))
+    partials = _new_partials(x.shape[0], x.shape[1], x.device)
+    if _compiled(key + (True,), lambda: name() + " with column sums", lambda: launch(partials)):
         torch.sum(partials, dim=0, out=col_sums)
         return True
-    # the fused column sums did not compile here: the cast alone, then a second read of x for the sums
-    if not _compiled(key + (False,), lambda: launch(None)):
+    if not _compiled(key + (False,), name, lambda: launch(None)):
         return False
     torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
     return True
+
+
+def cast_tiles(x, y, yt):
+    """The per-tensor cast's [(BLOCK_M, BLOCK_N, num_warps)] for this pass on this device."""
+    if not _on_gpu(x):
+        return [_INTERPRETER_TILE]
+    return [_TILES["t" if yt is not None else "y"]]
+
+
+def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtype, margin, current,
+                 tiles=None) -> bool:
+    """One per-tensor cast pass; False when it does not compile here (the caller takes the reference).
+
+    scratch, n_parts: current scaling's buffer and how many amax partials _launch_amax wrote in it.
+    tiles: [(BLOCK_M, BLOCK_N, num_warps), ...], each run in turn on the same buffers (a rerun must leave
+    the same result: the tests check it); default cast_tiles().
+    """
+    M, N = x.shape
+    if M * N > _MAX_ELEMENTS:
+        raise ValueError(f"fp8 cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
+    emin, mbits = _FP8_GRID[fp8_dtype]
+    tiles = tiles if tiles is not None else cast_tiles(x, y, yt)
+    flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_i32 is not None,
+                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, PARTS=_PARTS,
+                 PARTS_AT=_PARTS_AT, SCALE_INV_AT=SCALE_INV_OFFSET)
+
+    def launch(partials):  # a copy not asked for gets the other's pointer (never written; WRITE_* is off)
+        args = (x, y if y is not None else yt, yt if yt is not None else y, M, N, scale,
+                scratch if scratch is not None else scale, n_parts,
+                amax_i32 if amax_i32 is not None else scale.view(torch.int32),
+                partials if partials is not None else scale, FP8_MAX[fp8_dtype], 2.0 ** -margin)
+        for bm, bn, warps in tiles:
+            _launch_cast_kernel((triton.cdiv(M, bm), triton.cdiv(N, bn)), *args, **flags,
+                                COL_SUMS=partials is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+
+    key = ("cast", current, y is not None, yt is not None, amax_i32 is not None, x.dtype, fp8_dtype, tuple(tiles))
+    name = lambda: "_fp8_cast_kernel(" + ", ".join(f"{k}={v}" for k, v in flags.items() if k in (
+        "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX")) + f", tiles={tiles})"
+    return _with_col_sums(x, col_sums, key, name, launch)
+
+
+def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=None) -> bool:
+    """One 1x128 block-scaling cast pass; False when it does not compile here."""
+    M, N = x.shape
+    if M * N > _MAX_ELEMENTS:
+        raise ValueError(f"fp8 block cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
+    emin, mbits = _FP8_GRID[fp8_dtype]
+    warps = warps if warps is not None else (_BLOCK_WARPS if _on_gpu(x) else 4)
+    some, some_s = (y, ys) if y is not None else (yt, yts)  # stand-ins for what is not asked for (never written)
+    flags = dict(WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_i32 is not None,
+                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, BLOCK_S=BLOCK)
+    grid = (triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK))
+
+    def launch(partials):
+        _launch_block_kernel(grid, x, some if y is None else y, some if yt is None else yt,
+                             some_s if ys is None else ys, some_s if yts is None else yts, M, N,
+                             amax_i32 if amax_i32 is not None else some_s.view(torch.int32),
+                             partials if partials is not None else some_s, FP8_MAX[fp8_dtype],
+                             **flags, COL_SUMS=partials is not None, num_warps=warps)
+
+    key = ("block", y is not None, yt is not None, amax_i32 is not None, x.dtype, fp8_dtype, warps)
+    name = lambda: f"_fp8_block_cast_kernel(WRITE_Y={y is not None}, WRITE_T={yt is not None}, warps={warps})"
+    return _with_col_sums(x, col_sums, key, name, launch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,7 +399,7 @@ def _check_scalar(name, t, device, what="fp8_cast"):
         raise ValueError(f"{what}: {name} must be contiguous")
 
 
-def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums, what):
+def _check_x(x, fp8_dtype, rowwise, transpose, col_sums, what):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x is a {type(x).__name__}; expected a torch.Tensor")
     if fp8_dtype not in FP8_MAX:
@@ -290,10 +408,19 @@ def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, 
         raise TypeError(f"{what}: x dtype {x.dtype}; expected bf16, fp16 or fp32")
     if x.dim() != 2:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}; expected a 2-D (rows, cols) tensor")
-    if x.numel() >= 2 ** 31:
-        raise ValueError(f"{what}: x has {x.numel()} elements; at most 2^31 - 1 are supported")
+    if x.numel() > _MAX_ELEMENTS:
+        raise ValueError(f"{what}: x has {x.numel()} elements; at most {_MAX_ELEMENTS} are supported")
     if not (rowwise or transpose):
         raise ValueError(f"{what}: rowwise=False and transpose=False asks for no output")
+    N = x.shape[1]
+    if col_sums is not None and (col_sums.shape != (N,) or col_sums.dtype != torch.float32
+                                 or col_sums.device != x.device or not col_sums.is_contiguous()):
+        raise ValueError(f"{what}: col_sums is {col_sums.dtype} {tuple(col_sums.shape)} on {col_sums.device}; "
+                         f"expected a contiguous float32 ({N},) on {x.device}")
+
+
+def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums, what):
+    _check_x(x, fp8_dtype, rowwise, transpose, col_sums, what)
     _check_scalar("scale", scale, x.device, what)
     if amax is not None:
         _check_scalar("amax", amax, x.device, what)
@@ -306,17 +433,17 @@ def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, 
         if o.shape != shape or o.dtype != fp8_dtype or not o.is_contiguous() or o.device != x.device:
             raise ValueError(f"{what}: {name} is {o.dtype} {tuple(o.shape)} on {o.device}; "
                              f"expected a contiguous {fp8_dtype} {shape} on {x.device}")
-    if col_sums is not None and (col_sums.shape != (N,) or col_sums.dtype != torch.float32
-                                 or col_sums.device != x.device or not col_sums.is_contiguous()):
-        raise ValueError(f"{what}: col_sums is {col_sums.dtype} {tuple(col_sums.shape)} on {col_sums.device}; "
-                         f"expected a contiguous float32 ({N},) on {x.device}")
 
 
-def _alloc(x, fp8_dtype, rowwise, transpose, out, out_t):
+def _alloc(x, fp8_dtype, rowwise, transpose, out=None, out_t=None):
     M, N = x.shape
     y = (out if out is not None else torch.empty((M, N), dtype=fp8_dtype, device=x.device)) if rowwise else None
     yt = (out_t if out_t is not None else torch.empty((N, M), dtype=fp8_dtype, device=x.device)) if transpose else None
     return y, yt
+
+
+def _as_int32(amax):
+    return amax.view(torch.int32) if amax is not None else None
 
 
 def fp8_cast(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None,
@@ -330,60 +457,96 @@ def fp8_cast(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, o
     float32 (cols,) tensor that receives x.sum(0) in fp32 (a bias gradient, from the same read of x).
     """
     _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums, "fp8_cast")
-    return cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, col_sums)
+    return cast_delayed(x, fp8_dtype, scale, _as_int32(amax), rowwise, transpose, out, out_t, col_sums)
 
 
 def fp8_cast_current(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwise=True, transpose=False,
                      out=None, out_t=None, col_sums=None):
     """Current scaling: scale = fp8_max / max|x| / 2^margin from this tensor; where that amax is 0, inf or
     NaN (or the scale overflows), fallback_scale is used instead. Returns (y, y_t, scales), scales a float32
-    (2,) tensor [scale, 1/scale] on the device. amax, out, out_t, col_sums: as in fp8_cast.
+    (2,) tensor [scale, 1/scale] on the device, each element 16-byte aligned. amax, out, out_t, col_sums:
+    as in fp8_cast.
     """
     _check_cast_args(x, fp8_dtype, fallback_scale, amax, rowwise, transpose, out, out_t, col_sums,
                      "fp8_cast_current")
     if not isinstance(margin, int) or margin < 0:
         raise ValueError(f"fp8_cast_current: margin={margin!r}; expected a non-negative int")
-    return cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose, out, out_t, col_sums)
+    y, yt, scratch = cast_current(x, fp8_dtype, fallback_scale, margin, _as_int32(amax), rowwise, transpose, out,
+                                  out_t, col_sums)
+    return y, yt, current_scales(scratch)
 
 
-# Current scaling's scratch: [amax bits, pad x3, scale, pad x3, 1/scale, pad x3]. Each value starts a
-# 16-byte block because torch._scaled_mm (cuBLASLt) rejects scale pointers that are not 16-byte aligned.
-SCALE_INV_OFFSET = 4
+def fp8_block_cast(x, fp8_dtype, *, amax=None, rowwise=True, transpose=False, col_sums=None):
+    """1x128 block scaling: returns (y, y_scales, y_t, y_t_scales).
+
+    y (rows, cols) in fp8_dtype, each 128-column segment of a row scaled by fp8_max / its amax (a zero,
+    inf or NaN segment by 1); y_scales the (ceil(cols/128), rows) float32 inverse scales, so y.float() *
+    y_scales.t() repeated 128 times along the columns recovers x. y_t (cols, rows) and y_t_scales
+    (ceil(rows/128), cols) likewise for x.t(), whose segments are 128 rows of x. Entries not asked for are
+    None. amax, col_sums: as in fp8_cast.
+    """
+    _check_x(x, fp8_dtype, rowwise, transpose, col_sums, "fp8_block_cast")
+    if amax is not None:
+        _check_scalar("amax", amax, x.device, "fp8_block_cast")
+    return cast_block(x, fp8_dtype, _as_int32(amax), rowwise, transpose, col_sums)
 
 
 def current_scratch(device) -> torch.Tensor:
-    return torch.zeros(3 * SCALE_INV_OFFSET, dtype=torch.float32, device=device)
+    """Current scaling's float32 scratch: [scale, pad x3, 1/scale, pad x3, amax partials]; no fill needed."""
+    return torch.empty(_PARTS_AT + _PARTS, dtype=torch.float32, device=device)
 
 
 def current_scales(scratch: torch.Tensor) -> torch.Tensor:
     """The (2,) [scale, 1/scale] view of a scratch buffer; each element 16-byte aligned."""
-    return scratch[SCALE_INV_OFFSET::SCALE_INV_OFFSET]
+    return scratch[0:_PARTS_AT:SCALE_INV_OFFSET]
 
 
 # Unchecked entry points for callers whose arguments are well-formed by construction (Fp8Linear calls these
-# on every step; the checks above cost more host time than the launch).
-def cast_delayed(x, fp8_dtype, scale, amax, rowwise, transpose, out=None, out_t=None, col_sums=None):
+# on every step; the checks above cost more host time than the launch). amax_i32: the int32 view of a
+# float32 amax slot, or None.
+def cast_delayed(x, fp8_dtype, scale, amax_i32, rowwise, transpose, out=None, out_t=None, col_sums=None):
+    """(y, y_t) scaled by scale; see fp8_cast."""
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
     if use_triton(x) and x.numel() > 0 and _launch_cast(
-            x.contiguous(), y, yt, scale, None, None, amax.view(torch.int32) if amax is not None else None,
-            col_sums, fp8_dtype, 0, current=False):
+            x.contiguous(), y, yt, scale, None, 0, amax_i32, col_sums, fp8_dtype, 0, current=False):
         return y, yt
-    return fp8_cast_reference(x, fp8_dtype, scale, amax=amax, rowwise=rowwise, transpose=transpose, out=y, out_t=yt,
-                              col_sums=col_sums)
+    return fp8_cast_reference(x, fp8_dtype, scale, amax=amax_i32.view(torch.float32) if amax_i32 is not None
+                              else None, rowwise=rowwise, transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
 
 
-def cast_current(x, fp8_dtype, fallback_scale, margin, amax, rowwise, transpose, out=None, out_t=None,
+def cast_current(x, fp8_dtype, fallback_scale, margin, amax_i32, rowwise, transpose, out=None, out_t=None,
                  col_sums=None):
+    """(y, y_t, scratch): scratch[0] the scale used, scratch[SCALE_INV_OFFSET] its inverse; see
+    fp8_cast_current."""
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
+    scratch = current_scratch(x.device)
     if use_triton(x) and x.numel() > 0:
         xc = x.contiguous()
-        scratch = current_scratch(x.device)
-        if _launch_amax(xc, scratch[:1].view(torch.int32)) and _launch_cast(
-                xc, y, yt, fallback_scale, scratch[:1].view(torch.int32), scratch[SCALE_INV_OFFSET:],
-                amax.view(torch.int32) if amax is not None else None, col_sums, fp8_dtype, margin, current=True):
-            return y, yt, current_scales(scratch)
-    return fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin, amax=amax, rowwise=rowwise,
-                                      transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
+        n_parts = _launch_amax(xc, scratch)
+        if n_parts and _launch_cast(xc, y, yt, fallback_scale, scratch, n_parts, amax_i32, col_sums, fp8_dtype,
+                                    margin, current=True):
+            return y, yt, scratch
+    fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin,
+                               amax=amax_i32.view(torch.float32) if amax_i32 is not None else None,
+                               rowwise=rowwise, transpose=transpose, out=y, out_t=yt, col_sums=col_sums,
+                               scratch=scratch)
+    return y, yt, scratch
+
+
+def cast_block(x, fp8_dtype, amax_i32, rowwise, transpose, col_sums=None):
+    """(y, y_scales, y_t, y_t_scales); see fp8_block_cast."""
+    M, N = x.shape
+    dev = x.device
+    y = torch.empty((M, N), dtype=fp8_dtype, device=dev) if rowwise else None
+    yt = torch.empty((N, M), dtype=fp8_dtype, device=dev) if transpose else None
+    ys = torch.empty((triton.cdiv(N, BLOCK), M), dtype=torch.float32, device=dev) if rowwise else None
+    yts = torch.empty((triton.cdiv(M, BLOCK), N), dtype=torch.float32, device=dev) if transpose else None
+    if use_triton(x) and x.numel() > 0 and _launch_block_cast(x.contiguous(), y, yt, ys, yts, amax_i32, col_sums,
+                                                              fp8_dtype):
+        return y, ys, yt, yts
+    return fp8_block_cast_reference(x, fp8_dtype, amax=amax_i32.view(torch.float32) if amax_i32 is not None
+                                    else None, rowwise=rowwise, transpose=transpose, col_sums=col_sums,
+                                    outs=(y, ys, yt, yts))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -397,6 +560,11 @@ def current_scale_reference(amax, fp8_max, margin, fallback):
     return torch.where(ok, fresh, fallback)
 
 
+def _fold_amax(amax, xf):
+    if amax is not None and xf.numel() > 0:
+        amax.copy_(torch.maximum(amax, xf.abs().amax().reshape(amax.shape)))
+
+
 def fp8_cast_reference(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpose=False, out=None, out_t=None,
                        col_sums=None):
     """Plain PyTorch: the same casts, the amax folded with torch.maximum (NaN propagates)."""
@@ -408,20 +576,64 @@ def fp8_cast_reference(x, fp8_dtype, scale, *, amax=None, rowwise=True, transpos
         y = q if out is None else out.copy_(q)
     if transpose:
         yt = q.t().contiguous() if out_t is None else out_t.copy_(q.t())
-    if amax is not None and x.numel() > 0:
-        amax.copy_(torch.maximum(amax, xf.abs().amax().reshape(amax.shape)))
+    _fold_amax(amax, xf)
     if col_sums is not None:
         torch.sum(xf, dim=0, out=col_sums)
     return y, yt
 
 
 def fp8_cast_current_reference(x, fp8_dtype, fallback_scale, *, margin=0, amax=None, rowwise=True,
-                               transpose=False, out=None, out_t=None, col_sums=None):
+                               transpose=False, out=None, out_t=None, col_sums=None, scratch=None):
+    """Returns (y, y_t, scales [scale, 1/scale]); with scratch, the scales are written into it as the kernel
+    writes them (scratch[0], scratch[SCALE_INV_OFFSET])."""
     xf = x.float()
     cur = xf.abs().amax() if x.numel() > 0 else torch.zeros((), device=x.device)
     scale = current_scale_reference(cur, FP8_MAX[fp8_dtype], margin, fallback_scale.reshape(()))
     y, yt = fp8_cast_reference(x, fp8_dtype, scale.reshape(1), amax=amax, rowwise=rowwise, transpose=transpose,
                                out=out, out_t=out_t, col_sums=col_sums)
-    scales = current_scales(current_scratch(x.device))
+    scales = current_scales(scratch if scratch is not None else current_scratch(x.device))
     scales.copy_(torch.stack([scale, scale.reciprocal()]))
     return y, yt, scales
+
+
+def block_scales_reference(t, fp8_max):
+    """(scales (rows, ceil(cols/128)), segment amax) of a float32 (rows, cols) t: fp8_max / amax of each
+    128-column segment, 1 where that amax is 0, inf or NaN or the scale overflows."""
+    R, C = t.shape
+    nb = -(-C // BLOCK)
+    padded = torch.nn.functional.pad(t.abs(), (0, nb * BLOCK - C)) if C % BLOCK else t.abs()
+    amax = padded.reshape(R, nb, BLOCK).amax(dim=-1)  # NaN propagates
+    fresh = torch.full_like(amax, fp8_max) / amax
+    ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(fresh)
+    return torch.where(ok, fresh, torch.ones_like(fresh))
+
+
+def _block_quantize_reference(t, fp8_dtype):
+    """(q, inverse scales (ceil(cols/128), rows)) of a float32 (rows, cols) t in 1x128 segments."""
+    fmax = FP8_MAX[fp8_dtype]
+    s = block_scales_reference(t, fmax)
+    q = (t * s.repeat_interleave(BLOCK, dim=1)[:, :t.shape[1]]).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, s.reciprocal().t().contiguous()
+
+
+def fp8_block_cast_reference(x, fp8_dtype, *, amax=None, rowwise=True, transpose=False, col_sums=None,
+                             outs=None):
+    """Plain PyTorch fp8_block_cast; outs: optional (y, y_scales, y_t, y_t_scales) to write into."""
+    xf = x.float()
+    res = [None, None, None, None]
+    if rowwise:
+        res[0:2] = _block_quantize_reference(xf, fp8_dtype)
+    if transpose:
+        res[2:4] = _block_quantize_reference(xf.t(), fp8_dtype)
+    if outs is not None:
+        res = [o.copy_(r) if o is not None and r is not None else r for o, r in zip(outs, res)]
+    _fold_amax(amax, xf)
+    if col_sums is not None:
+        torch.sum(xf, dim=0, out=col_sums)
+    return tuple(res)
+
+
+def block_dequantize_reference(q, inv_scales):
+    """float32 values of a 1x128 block-scaled copy: q (rows, cols) times inv_scales (ceil(cols/128), rows)."""
+    R, C = q.shape
+    return q.float() * inv_scales.t().repeat_interleave(BLOCK, dim=1)[:, :C]
