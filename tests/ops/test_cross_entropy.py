@@ -449,16 +449,52 @@ def test_cross_entropy_real_size():
     check_close(x.grad, x64.grad, xs.grad, "dlogits", torch.bfloat16)
 
 
+# The launches bench/cross_entropy.py --sweep times at vocab 50304 (each must be right before it can win).
+GPU_ROW_CONFIGS = [RowConfig(4096, 8), RowConfig(4096, 4), RowConfig(8192, 16), RowConfig(4096, 8, 2),
+                   RowConfig(4096, 8, 4), RowConfig(8192, 16, 1), RowConfig(65536, 32), RowConfig(65536, 16)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,width", [(16384, 768), (8192, 2048)])
-def test_linear_cross_entropy_real_size(rows, width):
-    """bf16 at GPT-2 head sizes against float64, on the default chunking (several chunks)."""
+@pytest.mark.parametrize("config", GPU_ROW_CONFIGS, ids=str)
+def test_row_configs_real_size(config):
+    """Every swept launch of the row kernel at 4096 x 50304 bf16 with z-loss: forward and backward apart
+    against float64, then both in one launch over the logits giving the same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    rows, vocab = 4096, 50304
+    logits = (2 * torch.randn(rows, vocab, device="cuda", generator=gen)).bfloat16()
+    target = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    target[::7] = -100
+    scale = torch.rand(rows, device="cuda", generator=gen)
+    loss, lse = torch.full((rows,), math.nan, device="cuda"), torch.full((rows,), math.nan, device="cuda")
+    grad = torch.full_like(logits, math.nan)
+    kw = dict(ignore_index=-100, z_loss=1e-4, config=config)
+    ce_rows(logits, target, loss=loss, lse=lse, **kw)
+    ce_rows(logits, target, lse=lse, grad=grad, scale=scale, **kw)
+    x64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(x64, target, z_loss=1e-4, reduction="none")
+    ref.backward(scale.double())
+    xs = logits.clone().requires_grad_()
+    same = cross_entropy_reference(xs, target, z_loss=1e-4, reduction="none")
+    same.backward(scale)
+    check_close(loss, ref, same, "loss", torch.bfloat16)
+    check_close(grad, x64.grad, xs.grad, "dlogits", torch.bfloat16)
+    inplace, loss2 = logits.clone(), torch.full((rows,), math.nan, device="cuda")
+    ce_rows(inplace, target, loss=loss2, lse=lse, grad=inplace, scale=scale, **kw)
+    assert torch.equal(loss2, loss) and torch.equal(inplace, grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,chunk_rows,config", [
+    (16384, 768, None, None), (8192, 2048, None, None),
+    (16384, 768, 8192, RowConfig(65536, 32)), (16384, 768, 2048, RowConfig(4096, 8, 2))], ids=str)
+def test_linear_cross_entropy_real_size(rows, width, chunk_rows, config):
+    """bf16 at GPT-2 head sizes against float64, on the default chunking (several chunks) and on others."""
     gen = torch.Generator().manual_seed(10)
     vocab = 50304
     inputs = _linear_case(rows, width, vocab, torch.bfloat16, "cuda", gen, False, every=9)
     target = inputs[3]
     h, w = _leaves(*inputs[:2])
-    loss = ops.linear_cross_entropy(h, w, target, z_loss=1e-4)
+    loss = linear_cross_entropy_fused(h, w, target, z_loss=1e-4, chunk_rows=chunk_rows, row_config=config)
     loss.backward()
     h64, w64 = _leaves(*inputs[:2], dtype=torch.float64)
     ref = cross_entropy_reference(F.linear(h64, w64), target, z_loss=1e-4)
@@ -507,3 +543,23 @@ def test_fp32_accumulating_matmul_is_available():
         _mm_accumulate(acc, a[i].t(), b[i], first=i == 0)
     want = sum(a[i].double().t() @ b[i].double() for i in range(3))
     assert rel_err(acc, want) < FP32_TOL
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_makes_no_host_sync():
+    """Forward and backward are stream-ordered: under the sync debug mode "error" a host sync would raise.
+    (The first call checks once per device that addmm accumulates into float32; that one syncs.)"""
+    gen = torch.Generator().manual_seed(17)
+    hidden, weight, _, target = _linear_case(4096, 256, 50304, torch.bfloat16, "cuda", gen, False, every=9)
+    h, w = _leaves(hidden, weight)
+    ops.linear_cross_entropy(h, w, target, z_loss=1e-4).backward()
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        ops.linear_cross_entropy(h, w, target, z_loss=1e-4).backward()
+        ops.cross_entropy(F.linear(h, w), target).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
