@@ -5,25 +5,30 @@
   forward GB/s (bytes = read x, residual, weight; write y, h) and its fraction of the copy bandwidth, and
   forward+backward time for tilewise, eager PyTorch (x + residual, then F.layer_norm / F.rms_norm),
   torch.compile of that, and eager add + Liger Kernel's LayerNorm/RMSNorm (null where liger_kernel is not
-  importable). Targets (issue 4): forward >= 85% of copy, forward+backward >= 1.1x the fastest peer.
+  importable). Targets (issue 4): forward >= 85% of copy, forward+backward >= 1.1x the fastest peer, both
+  timed with triton.testing.do_bench (the host's time included, as a training step pays it).
 - bias + GELU (16384, 3072) and SwiGLU (16384, 2 x 8192): forward GB/s and forward+backward time against
   eager and torch.compile.
-- A sweep of tilewise's launch configs around its defaults (LayerNorm, then RMSNorm while time remains),
-  to retune forward_config/backward_config from data.
+- Beside each do_bench figure, `<name>_graph`: the same call timed by do_bench_cudagraph, GPU time only (a
+  diagnostic: where it beats the do_bench figure by much, the host limits); and tilewise_host_us, the host
+  time of one tilewise call (queued without waiting for the GPU).
+- A sweep of the norm launch configs around norm.py's table: the default's neighbours (pipeline stages,
+  warps, rows a tile, persistent or one program a tile, chunked), timed GPU-only, while time remains. With
+  --sweep: every shape, both kinds, forward and backward, and a second round around each first round's
+  best; it prints the best configs in the format of norm.py's _CONFIGS table, ready to paste.
 
 Forward+backward, the same for every implementation: a fresh forward, then one autograd.backward from the
 same upstream gradients of y AND h (the next block consumes h, so its gradient flows in too), into leaves
 x, residual, weight (and bias), all of which get gradients; .grad is reset to None before each call
-(do_bench's grad_to_none), so no implementation pays an accumulation the others skip. Every
-implementation's outputs and gradients are checked against an fp32 eager reference before it is timed;
-a disagreement is recorded and printed, and its timing kept out of the ratios.
+(grad_to_none), so no implementation pays an accumulation the others skip. Every implementation's outputs
+and gradients are checked against an fp32 eager reference before it is timed; a disagreement is recorded
+and printed, and its timing kept out of the ratios.
 
-Diagnostics (in the JSON under "diagnostics", not in the table): tilewise's backward launcher timed alone
-(GB/s: read dy, dh, h; write dx), the host time of one tilewise forward+backward (the launch and autograd
-overhead; if it is near the GPU time, the measurement is launch-bound), and the programs an SM each
-persistent launch used, with the compiled kernel's registers and shared memory as the device reported them.
+Diagnostics (in the JSON under "diagnostics", not in the table): tilewise's launchers timed alone, the host
+time of one forward+backward of tilewise and of eager, the programs an SM each persistent launch used with
+the compiled kernel's registers and shared memory, and how many launches took FastLauncher's direct path.
 
-Run on the GPU machine: PYTHONPATH=src python3 bench/fused.py [--quick] [--out DIR]
+Run on the GPU machine: PYTHONPATH=src python3 bench/fused.py [--quick] [--sweep] [--out DIR]
 Writes bench/results/fused.json (and DIR/fused.json); the table is printed last.
 """
 from __future__ import annotations
@@ -37,28 +42,31 @@ import time
 from common import git_commit
 
 NORM_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
-QUICK_NORM_SHAPES = [(16384, 4096), (65536, 768)]
+QUICK_NORM_SHAPES = NORM_SHAPES
 GELU_SHAPE = (16384, 3072)
 SWIGLU_SHAPE = (16384, 2 * 8192)
 EPS = 1e-5
 AGREE_TOL = 2e-2          # relative error norm against the fp32 reference; bf16 results sit near 4e-3
 FWD_TARGET, FWD_BWD_TARGET = 0.85, 1.1
+CONTESTANTS = ["tilewise", "eager", "torch_compile", "liger"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write fused.json into this directory")
-    ap.add_argument("--quick", action="store_true", help="two norm shapes; the sweep only while time remains")
+    ap.add_argument("--quick", action="store_true", help="a shorter light sweep (the same shapes)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the full config sweep: every shape, both kinds, both passes, two rounds")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no config-sweep work after this many seconds of the run (default 150, "
-                         "100 with --quick)")
+                    help="start no config-sweep work after this many seconds of the run (default 500 with "
+                         "--sweep, else 150, 100 with --quick)")
     ap.add_argument("--smoke", action="store_true",
                     help="check this script without a GPU: tiny shapes on CPU through the Triton interpreter, "
                          "host timer; writes nothing under bench/results")
     args = ap.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 100.0 if args.quick else 150.0
+        args.budget_s = 500.0 if args.sweep else 100.0 if args.quick else 150.0
     return args
 
 
@@ -84,8 +92,9 @@ class Bench:
         import triton
         import torch.nn.functional as F
         from tilewise import ops
-        from tilewise.ops import activation, norm
-        self.torch, self.triton, self.F, self.ops, self.norm, self.activation = torch, triton, F, ops, norm, activation
+        from tilewise.ops import activation, launch, norm
+        self.torch, self.triton, self.F, self.ops = torch, triton, F, ops
+        self.norm, self.activation, self.launch = norm, activation, launch
         self.args = args
         self.t0 = time.time()
         self.device = "cpu" if args.smoke else "cuda"
@@ -93,16 +102,19 @@ class Bench:
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, 64)
         self.liger = self._import_liger()
+        command = "PYTHONPATH=src python3 bench/fused.py" + (" --quick" if args.quick else "") + \
+            (" --sweep" if args.sweep else "")
         self.results = {
             "area": "fused", "gpu": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
             "date": datetime.date.today().isoformat(),
             "peers": {"liger_kernel": self.liger[0] if self.liger else None},
             "notes": "fwd rows: GB/s (higher is better), ratio_best_peer = tilewise / best peer; fwd+bwd rows: "
-                     "ms (lower is better), ratio_best_peer = best peer ms / tilewise ms. bytes = every input "
-                     "read once + every output written once. fwd+bwd: backward from the gradients of y and "
-                     "h into x, residual, weight and bias.",
-            "command": "PYTHONPATH=src python3 bench/fused.py" + (" --quick" if args.quick else ""),
+                     "ms (lower is better), ratio_best_peer = best peer ms / tilewise ms; both from do_bench "
+                     "(host included). <name>_graph: do_bench_cudagraph, GPU time only. tilewise_host_us: host "
+                     "time of one tilewise call. bytes = every input read once + every output written once. "
+                     "fwd+bwd: backward from the gradients of y and h into x, residual, weight and bias.",
+            "command": command,
             "rows": [], "sweep": [], "diagnostics": {"norm": [], "activation": []},
         }
 
@@ -119,6 +131,7 @@ class Bench:
         return getattr(liger_kernel, "__version__", "unknown"), LigerLayerNormFunction, LigerRMSNormFunction
 
     def ms(self, fn, grad_to_none=None):
+        """do_bench: each call's GPU span, with the L2 flushed before it; a host slower than the GPU shows."""
         if self.args.smoke:
             t = time.perf_counter()
             fn()
@@ -126,11 +139,24 @@ class Bench:
         return self.triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                             return_mode="median")
 
-    def host_ms(self, fn, leaves=(), n=20):
+    def graph_ms(self, fn, grad_to_none=None):
+        """do_bench_cudagraph: the calls captured in a CUDA graph and replayed, GPU time only; None when the
+        call cannot be captured."""
+        if self.args.smoke:
+            return self.ms(fn)
+        try:
+            return self.triton.testing.do_bench_cudagraph(fn, rep=20, grad_to_none=grad_to_none,
+                                                          return_mode="median")
+        except Exception as e:      # noqa: BLE001 - a peer that cannot be captured gets no graph figure
+            print(f"    (no CUDA graph figure: {type(e).__name__}: {str(e)[:120]})")
+            return None
+
+    def host_us(self, fn, leaves=(), n=20):
         """Host time of one call, queued without waiting for the GPU: the launch and autograd overhead."""
         torch = self.torch
         n = 1 if self.args.smoke else n
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        fn()
         sync()
         total = 0.0
         for _ in range(n):
@@ -140,7 +166,7 @@ class Bench:
             fn()
             total += time.perf_counter() - start
         sync()
-        return total / n * 1e3
+        return total / n * 1e6
 
     def elapsed(self):
         return time.time() - self.t0
@@ -238,8 +264,9 @@ class Bench:
             torch.autograd.backward([y, h], [dy, dh])
 
         nbytes = (4 * rows * width + width) * x.element_size()        # x, residual, weight in; y, h out
-        fwd, both, agree = {}, {}, {}
+        fwd, both, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}
         for name, f in impls.items():
+            fwd_graph[name] = both_graph[name] = None
             try:
                 for t in leaves:
                     t.grad = None
@@ -255,19 +282,20 @@ class Bench:
                           f"(errors y, h, grads: {', '.join(f'{e:.2e}' for e in errs)}); not timed")
                     fwd[name] = both[name] = None
                     continue
-                fwd_ms = self.ms(lambda: call(f))
-                fwd[name] = nbytes / fwd_ms / 1e6
+                fwd[name] = nbytes / self.ms(lambda: call(f)) / 1e6
                 both[name] = self.ms(lambda: step(f), grad_to_none=leaves)
+                graph = self.graph_ms(lambda: call(f))
+                fwd_graph[name] = nbytes / graph / 1e6 if graph else None
+                both_graph[name] = self.graph_ms(lambda: step(f), grad_to_none=leaves)
             except Exception as e:      # noqa: BLE001 - a peer failing must not end the run
                 print(f"  {kind} {rows}x{width} {name}: failed ({type(e).__name__}: {e})")
                 fwd[name] = both[name] = agree[name] = None
-        if not self.liger:
-            fwd["liger"] = both["liger"] = None
+        host = {"fwd": self.host_us(lambda: call(impls["tilewise"])),
+                "fwd+bwd": self.host_us(lambda: step(impls["tilewise"]), leaves)}
         shape = {"rows": rows, "width": width, "dtype": "bf16", "bias": b is not None}
-        op = "add_" + kind
-        self.add_rows(op, shape, fwd, both, agree, frac=True)
+        self.add_rows("add_" + kind, shape, fwd, both, agree, fwd_graph, both_graph, host, frac=True)
         try:
-            self.norm_diagnostics(kind, x, r, w, b, dy, dh, leaves, impls, call, step, both)
+            self.norm_diagnostics(kind, x, r, w, b, dy, dh, leaves, impls, step, both)
         except Exception as e:      # noqa: BLE001 - diagnostics never end the run
             print(f"  {kind} {rows}x{width} diagnostics: failed ({type(e).__name__}: {e})")
         if self.liger:
@@ -276,29 +304,39 @@ class Bench:
             except Exception as e:      # noqa: BLE001 - a peer failing must not end the run
                 print(f"  {kind} {rows}x{width} liger alone: failed ({type(e).__name__}: {e})")
 
-    def norm_diagnostics(self, kind, x, r, w, b, dy, dh, leaves, impls, call, step, both):
-        """tilewise's backward launcher alone, and the host side of a forward+backward."""
+    def norm_diagnostics(self, kind, x, r, w, b, dy, dh, leaves, impls, step, both):
+        """tilewise's launchers alone (do_bench and GPU-only), and the host side of a forward+backward."""
         torch, norm = self.torch, self.norm
         rows, width = x.shape
         is_rms = kind == "rmsnorm"
-        y, h, mean, rstd = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
-        bwd_ms = self.ms(lambda: norm._backward(dy, dh, h, w, mean, rstd, b is not None, is_rms, 0.0, 0,
-                                                torch.bfloat16, torch.bfloat16))
+        bias_dtype = None if b is None else b.dtype
+        y, h, stats = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
+
+        def fwd():
+            return norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
+
+        def bwd():
+            return norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16, torch.bfloat16, bias_dtype)
+        fwd_bytes = (4 * rows * width + width) * x.element_size()
         bwd_bytes = 4 * rows * width * x.element_size()        # read dy, dh, h; write dx (= dresidual)
-        fwd_ms = self.ms(lambda: norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16))
+        bwd_ms, bwd_graph = self.ms(bwd), self.graph_ms(bwd)
+        fwd_graph = self.graph_ms(fwd)
         entry = {"op": "add_" + kind, "rows": rows, "width": width,
-                 "forward_config": list(norm.forward_config(width)),
-                 "backward_config": list(norm.backward_config(width)),
-                 "fwd_launcher_GBps": (4 * rows * width + width) * x.element_size() / fwd_ms / 1e6,
+                 "forward_config": list(norm.forward_config(width, is_rms)),
+                 "backward_config": list(norm.backward_config(width, is_rms)),
+                 "fwd_launcher_GBps": fwd_bytes / self.ms(fwd) / 1e6,
+                 "fwd_launcher_graph_GBps": fwd_bytes / fwd_graph / 1e6 if fwd_graph else None,
                  "bwd_launcher_ms": bwd_ms, "bwd_launcher_GBps": bwd_bytes / bwd_ms / 1e6,
-                 "bwd_launcher_frac_copy": bwd_bytes / bwd_ms / 1e6 / self.copy_gbps,
-                 "tilewise_fwd_bwd_host_ms": self.host_ms(lambda: step(impls["tilewise"]), leaves),
-                 "eager_fwd_bwd_host_ms": self.host_ms(lambda: step(impls["eager"]), leaves),
-                 "tilewise_fwd_bwd_gpu_ms": both.get("tilewise")}
+                 "bwd_launcher_graph_GBps": bwd_bytes / bwd_graph / 1e6 if bwd_graph else None,
+                 "bwd_launcher_frac_copy": bwd_bytes / (bwd_graph or bwd_ms) / 1e6 / self.copy_gbps,
+                 "tilewise_fwd_bwd_host_ms": self.host_us(lambda: step(impls["tilewise"]), leaves) / 1e3,
+                 "eager_fwd_bwd_host_ms": self.host_us(lambda: step(impls["eager"]), leaves) / 1e3,
+                 "tilewise_fwd_bwd_ms": both.get("tilewise")}
         self.results["diagnostics"]["norm"].append(entry)
-        print(f"  {kind} {rows}x{width}: tilewise backward launcher {entry['bwd_launcher_GBps']:.0f} GB/s "
-              f"({entry['bwd_launcher_frac_copy']:.0%} of copy), host {entry['tilewise_fwd_bwd_host_ms']:.3f} ms "
-              f"a forward+backward")
+        print(f"  {kind} {rows}x{width}: launchers alone, GPU only: fwd "
+              f"{entry['fwd_launcher_graph_GBps'] or 0:.0f} GB/s, bwd {entry['bwd_launcher_graph_GBps'] or 0:.0f} "
+              f"GB/s; host {entry['tilewise_fwd_bwd_host_ms'] * 1e3:.0f} us a forward+backward (eager "
+              f"{entry['eager_fwd_bwd_host_ms'] * 1e3:.0f} us)")
 
     def liger_alone(self, kind, x, r, w, b):
         """Liger's norm by itself (read h, weight; write y), the figure shared/BENCH.md quotes."""
@@ -313,22 +351,26 @@ class Bench:
         gbps = (2 * rows * width + width) * h.element_size() / ms / 1e6
         self.results.setdefault("liger_norm_alone_GBps", {})[f"{kind} {rows}x{width}"] = gbps
 
-    def add_rows(self, op, shape, fwd, both, agree, frac):
-        peers = [k for k in fwd if k != "tilewise"]
-        fwd_peers = [fwd[k] for k in peers if fwd[k] is not None]
-        both_peers = [both[k] for k in peers if both[k] is not None]
+    def add_rows(self, op, shape, fwd, both, agree, fwd_graph, both_graph, host, frac):
+        peers = [k for k in CONTESTANTS if k != "tilewise"]
+        fwd_peers = [fwd[k] for k in peers if fwd.get(k) is not None]
+        both_peers = [both[k] for k in peers if both.get(k) is not None]
         tw_fwd, tw_both = fwd.get("tilewise"), both.get("tilewise")
-        row = {"op": op, "pass": "fwd", "shape": shape, "unit": "GB/s", **fwd,
-               "ratio_best_peer": (tw_fwd / max(fwd_peers)) if tw_fwd and fwd_peers else None,
-               "max_rel_err_vs_fp32": agree}
+        row = {"op": op, "pass": "fwd", "shape": shape, "unit": "GB/s", **{k: fwd.get(k) for k in CONTESTANTS},
+               "ratio_best_peer": (tw_fwd / max(fwd_peers)) if tw_fwd and fwd_peers else None}
         if frac:
             row["tilewise_frac_copy"] = tw_fwd / self.copy_gbps if tw_fwd else None
             row["meets_target"] = bool(tw_fwd and tw_fwd / self.copy_gbps >= FWD_TARGET)
+        row.update({f"{k}_graph": fwd_graph.get(k) for k in CONTESTANTS})
+        row["tilewise_host_us"] = host["fwd"]
+        row["max_rel_err_vs_fp32"] = agree
         self.results["rows"].append(row)
-        row = {"op": op, "pass": "fwd+bwd", "shape": shape, "unit": "ms", **both,
+        row = {"op": op, "pass": "fwd+bwd", "shape": shape, "unit": "ms", **{k: both.get(k) for k in CONTESTANTS},
                "ratio_best_peer": (min(both_peers) / tw_both) if tw_both and both_peers else None}
         if frac:
             row["meets_target"] = bool(row["ratio_best_peer"] and row["ratio_best_peer"] >= FWD_BWD_TARGET)
+        row.update({f"{k}_graph": both_graph.get(k) for k in CONTESTANTS})
+        row["tilewise_host_us"] = host["fwd+bwd"]
         self.results["rows"].append(row)
         self.save()
 
@@ -364,8 +406,9 @@ class Bench:
         ref_y.backward(dy.float())
         ref_out = [ref_y.detach()] + [t.grad for t in ref_in]
         impls = {"tilewise": tilewise, "eager": eager, "torch_compile": torch.compile(eager, dynamic=False)}
-        fwd, both, agree = {}, {}, {}
+        fwd, both, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}
         for name, f in impls.items():
+            fwd_graph[name] = both_graph[name] = None
             try:
                 for t in leaves:
                     t.grad = None
@@ -379,11 +422,16 @@ class Bench:
                     continue
                 fwd[name] = fwd_bytes / self.ms(lambda: f(*leaves)) / 1e6
                 both[name] = self.ms(lambda: f(*leaves).backward(dy), grad_to_none=leaves)
+                graph = self.graph_ms(lambda: f(*leaves))
+                fwd_graph[name] = fwd_bytes / graph / 1e6 if graph else None
+                both_graph[name] = self.graph_ms(lambda: f(*leaves).backward(dy), grad_to_none=leaves)
             except Exception as e:      # noqa: BLE001
                 print(f"  {op} {name}: failed ({type(e).__name__}: {e})")
                 fwd[name] = both[name] = agree[name] = None
+        host = {"fwd": self.host_us(lambda: tilewise(*leaves)),
+                "fwd+bwd": self.host_us(lambda: tilewise(*leaves).backward(dy), leaves)}
         shape = {"rows": rows, "width": width, "dtype": "bf16"}
-        self.add_rows(op, shape, fwd, both, agree, frac=False)
+        self.add_rows(op, shape, fwd, both, agree, fwd_graph, both_graph, host, frac=False)
         self.results["rows"][-2]["tilewise_frac_copy"] = (fwd["tilewise"] / self.copy_gbps
                                                            if fwd.get("tilewise") else None)
         try:
@@ -395,77 +443,144 @@ class Bench:
             else:
                 bwd = lambda: act._swiglu_backward(dy, inputs[0])        # noqa: E731
                 bwd_bytes = (rows * out_width + 2 * rows * width) * 2    # read dy, gate_up; write dgate_up
-            bwd_ms = self.ms(bwd)
+            bwd_ms, bwd_graph = self.ms(bwd), self.graph_ms(bwd)
             entry = {"op": op, "rows": rows, "width": width, "bwd_launcher_ms": bwd_ms,
                      "bwd_launcher_GBps": bwd_bytes / bwd_ms / 1e6,
-                     "bwd_launcher_frac_copy": bwd_bytes / bwd_ms / 1e6 / self.copy_gbps,
-                     "tilewise_fwd_bwd_host_ms": self.host_ms(lambda: tilewise(*leaves).backward(dy), leaves)}
+                     "bwd_launcher_graph_GBps": bwd_bytes / bwd_graph / 1e6 if bwd_graph else None,
+                     "bwd_launcher_frac_copy": bwd_bytes / (bwd_graph or bwd_ms) / 1e6 / self.copy_gbps,
+                     "tilewise_fwd_bwd_host_ms": host["fwd+bwd"] / 1e3}
             self.results["diagnostics"]["activation"].append(entry)
-            print(f"  {op}: tilewise backward launcher {entry['bwd_launcher_GBps']:.0f} GB/s "
-                  f"({entry['bwd_launcher_frac_copy']:.0%} of copy), host {entry['tilewise_fwd_bwd_host_ms']:.3f} "
-                  f"ms a forward+backward")
+            print(f"  {op}: tilewise backward launcher {entry['bwd_launcher_frac_copy']:.0%} of copy (GPU only), "
+                  f"host {host['fwd+bwd']:.0f} us a forward+backward")
         except Exception as e:      # noqa: BLE001 - diagnostics never end the run
             print(f"  {op} diagnostics: failed ({type(e).__name__}: {e})")
 
     # ---------------------------------------------------------------------------------------- config sweep
 
-    def candidates(self, cfg):
-        """The default and its neighbours: pipeline stages, warps (elements a thread), rows a tile at the
-        same elements a thread, and for wide rows the chunked kernels (and the other way round)."""
+    def candidates(self, cfg, rows, width, pass_):
+        """cfg's neighbours: pipeline stages, warps (elements a thread), rows a tile (at the same and at twice
+        the elements a thread), persistent in one or two waves or one program a tile, and the chunked kernels
+        for wide rows (or, when chunked, other chunk widths)."""
         C = self.norm.Config
-        out = [cfg]
-        for stages in (2, 3, 4, 5):
-            out.append(cfg._replace(num_stages=stages))
-        if cfg.num_warps < 32:
-            out.append(cfg._replace(num_warps=cfg.num_warps * 2))
-        if cfg.num_warps > 1:
-            out.append(cfg._replace(num_warps=cfg.num_warps // 2))
-        if not cfg.chunked:
-            if cfg.num_warps < 32:
-                out.append(cfg._replace(block_m=cfg.block_m * 2, num_warps=cfg.num_warps * 2))
-            if cfg.block_m > 1:
-                out.append(cfg._replace(block_m=cfg.block_m // 2, num_warps=max(1, cfg.num_warps // 2)))
-            if cfg.block_n >= 4096:
-                out.append(C(1, 2048, 8, True, 3))
+        out = [cfg._replace(num_stages=s) for s in (2, 3, 4, 5)]
+        out += [cfg._replace(num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2)]
+        if cfg.chunked:
+            out += [cfg._replace(block_n=cfg.block_n * 2, num_warps=cfg.num_warps * 2),
+                    cfg._replace(block_n=cfg.block_n // 2, num_warps=cfg.num_warps // 2)]
         else:
-            out.append(cfg._replace(block_n=cfg.block_n * 2, num_warps=min(32, cfg.num_warps * 2)))
-        return list(dict.fromkeys(out))
+            out += [cfg._replace(block_m=cfg.block_m * 2, num_warps=cfg.num_warps * 2),
+                    cfg._replace(block_m=cfg.block_m * 2),
+                    cfg._replace(block_m=cfg.block_m // 2, num_warps=cfg.num_warps // 2)]
+            out += [cfg._replace(waves=w) for w in (0, 1, 2)]
+            if width >= 4096:
+                out.append(C(1, 2048, 8, True, 3))
 
-    def sweep(self, kind, rows, width):
+        def valid(c):
+            if not (1 <= c.num_warps <= 32 and c.block_m >= 1 and c.block_n >= 64):
+                return False
+            per_thread = c.block_m * c.block_n / (32 * c.num_warps)
+            if not c.chunked and not (1 <= per_thread <= 32 and c.block_n >= width):
+                return False
+            # one program a tile in the backward: that many fp32 partial rows (twice, with a bias)
+            return not (pass_ == "bwd" and c.waves == 0 and -(-rows // c.block_m) * width * 8 > (1 << 30))
+        return [c for c in dict.fromkeys(out) if c != cfg and valid(c)]
+
+    def sweep(self, kind, rows, width, rounds):
+        """Each pass's default config and its neighbours (and, with rounds=2, the best one's neighbours),
+        GPU-only times; every config must reproduce the default's result. False when out of time."""
         torch, norm = self.torch, self.norm
         is_rms = kind == "rmsnorm"
         g = torch.Generator(device=self.device).manual_seed(1)
         mk = lambda *s: torch.randn(*s, device=self.device, generator=g).to(torch.bfloat16)    # noqa: E731
         x, r, w, b = mk(rows, width), mk(rows, width), mk(width), (None if is_rms else mk(width))
+        bias_dtype = None if b is None else b.dtype
         dy, dh = mk(rows, width), mk(rows, width)
-        y0, h, mean, rstd = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
-        dx0 = norm._backward(dy, dh, h, w, mean, rstd, b is not None, is_rms, 0.0, 0, torch.bfloat16,
-                             torch.bfloat16)[0]
+        y0, h, stats = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
+        bwd0 = norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16, torch.bfloat16, bias_dtype)
         fwd_bytes = (4 * rows * width + width) * 2
         bwd_bytes = 4 * rows * width * 2        # read dy, dh, h; write dx (shared with dresidual)
-        for pass_, default, fn, nbytes, ref in (
-                ("fwd", norm.forward_config(width),
-                 lambda c: norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16, c), fwd_bytes, y0),
-                ("bwd", norm.backward_config(width),
-                 lambda c: norm._backward(dy, dh, h, w, mean, rstd, b is not None, is_rms, 0.0, 0,
-                                          torch.bfloat16, torch.bfloat16, c), bwd_bytes, dx0)):
-            for cfg in self.candidates(default):
-                if self.elapsed() > self.args.budget_s:
-                    return False
+        passes = (
+            ("fwd", norm.forward_config(width, is_rms), fwd_bytes, (y0, h),
+             lambda c: norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16, c)[:2]),
+            ("bwd", norm.backward_config(width, is_rms), bwd_bytes, (bwd0[0], bwd0[2]),
+             lambda c: (lambda o: (o[0], o[2]))(norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16,
+                                                                torch.bfloat16, bias_dtype, c))))
+        for pass_, default, nbytes, ref, fn in passes:
+            measured = {}
+
+            def measure(cfg, default=default, nbytes=nbytes, ref=ref, fn=fn, pass_=pass_):
                 entry = {"kind": kind, "rows": rows, "width": width, "pass": pass_, "config": list(cfg),
                          "default": cfg == default}
                 try:
-                    err = self.rel(fn(cfg)[0], ref)     # every config computes the default's result
+                    err = max(self.rel(a, e) for a, e in zip(fn(cfg), ref))    # the default's result
                     if err > 1e-2:
                         entry["error"] = f"result differs from the default config's: {err:.2e}"
                     else:
-                        ms = self.ms(lambda: fn(cfg))
+                        ms = self.graph_ms(lambda: fn(cfg)) or self.ms(lambda: fn(cfg))
                         entry.update(ms=ms, GBps=nbytes / ms / 1e6)
+                        measured[cfg] = ms
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a large tile
                     entry["error"] = f"{type(e).__name__}: {e}"[:200]
                 self.results["sweep"].append(entry)
+
+            measure(default)
+            for round_ in range(rounds):
+                best = min(measured, key=measured.get) if measured else default
+                if round_ and best == default:
+                    break
+                for cfg in self.candidates(best, rows, width, pass_):
+                    if cfg in measured:
+                        continue
+                    if self.elapsed() > self.args.budget_s:
+                        self.save()
+                        return False
+                    measure(cfg)
+            if measured and default in measured:
+                best = min(measured, key=measured.get)
+                print(f"  sweep {kind} {rows}x{width} {pass_}: best {self.compact(best)} "
+                      f"{nbytes / measured[best] / 1e6:.0f} GB/s, {measured[default] / measured[best]:.2f}x the "
+                      f"default {self.compact(default)}", flush=True)
         self.save()
         return True
+
+    @staticmethod
+    def compact(cfg):
+        return "Config(" + ", ".join(str(v) for v in cfg) + ")"
+
+    def best_configs(self):
+        """{(kind, width, pass): (best config, GB/s, gain over the default)} from the sweep entries."""
+        best, default = {}, {}
+        for e in self.results["sweep"]:
+            if "ms" not in e:
+                continue
+            key = (e["kind"], e["width"], e["pass"])
+            if e["default"]:
+                default[key] = e["ms"]
+            if key not in best or e["ms"] < best[key]["ms"]:
+                best[key] = e
+        return {k: (self.norm.Config(*e["config"]), e["GBps"], default.get(k, float("nan")) / e["ms"])
+                for k, e in best.items()}
+
+    def print_config_table(self):
+        """The sweep's best configs as entries of norm.py's _CONFIGS (LayerNorm) and _RMS_CONFIGS."""
+        best = self.best_configs()
+        if not best:
+            return
+        print()
+        print("sweep: best configs per width, in norm.py's table format (paste into _CONFIGS / _RMS_CONFIGS):")
+        widths = sorted({w for _, w, _ in best})
+        for kind, table in (("layernorm", "_CONFIGS"), ("rmsnorm", "_RMS_CONFIGS")):
+            print(f"  {table}:")
+            for width in widths:
+                pair = [best.get((kind, width, p)) for p in ("fwd", "bwd")]
+                if None in pair:
+                    continue
+                if kind == "rmsnorm" and all(best.get(("layernorm", width, p), (None,))[0] == c[0]
+                                             for p, c in zip(("fwd", "bwd"), pair)):
+                    continue        # the same as LayerNorm's: no RMSNorm entry needed
+                print(f"    {width}: ({self.compact(pair[0][0])}, {self.compact(pair[1][0])}),"
+                      f"    # fwd {pair[0][1]:.0f} GB/s ({pair[0][2]:.2f}x the default), "
+                      f"bwd {pair[1][1]:.0f} GB/s ({pair[1][2]:.2f}x)")
 
     # ---------------------------------------------------------------------------------------------- run
 
@@ -481,50 +596,52 @@ class Bench:
                         **info})
         return out
 
+    def fast_launch_counts(self):
+        """Per launcher: launches that took FastLauncher's direct path, and Triton's normal one."""
+        out = {}
+        for module in (self.norm, self.activation):
+            for name, value in vars(module).items():
+                if isinstance(value, self.launch.FastLauncher):
+                    out[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = {
+                        "fast": value.fast_launches, "normal": value.normal_launches}
+        return out
+
     def run(self):
         self.copy_bandwidth()
         shapes = QUICK_NORM_SHAPES if self.args.quick else NORM_SHAPES
         for kind in ("layernorm", "rmsnorm"):
             for rows, width in shapes:
                 self.bench_norm(kind, rows, width)
-                print(f"  add+{kind} {rows}x{width} done at {self.elapsed():.0f} s")
+                print(f"  add+{kind} {rows}x{width} done at {self.elapsed():.0f} s", flush=True)
         for op in ("bias_gelu", "swiglu"):
             self.bench_activation(op)
         print(f"  activations done at {self.elapsed():.0f} s")
         self.results["diagnostics"]["launches"] = self.launches()
+        self.results["diagnostics"]["fast_launch"] = self.fast_launch_counts()
+        self.save()
         plan = [(kind, rows, width) for kind in ("layernorm", "rmsnorm") for rows, width in shapes]
-        done = all(self.sweep(*job) for job in (plan[:1] if self.args.smoke else plan))
+        rounds = 2 if self.args.sweep else 1
+        done = all(self.sweep(*job, rounds) for job in (plan[:1] if self.args.smoke else plan))
         self.results["sweep_complete"] = done
         self.results["wall_s"] = self.elapsed()
         self.save()
         self.print_table()
 
     def print_table(self):
-        cols = ["tilewise", "eager", "torch_compile", "liger"]
+        self.print_config_table()
         print()
-        print("sweep (best config per shape and pass; default marked *):")
-        best = {}
-        for e in self.results["sweep"]:
-            if "ms" in e:
-                key = (e["kind"], e["rows"], e["width"], e["pass"])
-                if key not in best or e["ms"] < best[key]["ms"]:
-                    best[key] = e
-        for (kind, rows, width, pass_), e in best.items():
-            default = next((d for d in self.results["sweep"] if d.get("default") and "ms" in d
-                            and (d["kind"], d["rows"], d["width"], d["pass"]) == (kind, rows, width, pass_)), None)
-            gain = default["ms"] / e["ms"] if default else float("nan")
-            print(f"  {kind:9s} {rows:6d}x{width:<5d} {pass_:3s} best {e['config']}{'*' if e['default'] else ''}"
-                  f" {e['GBps']:6.0f} GB/s ({gain:.2f}x the default)")
-        print()
-        print("tilewise launchers alone (bwd: read dy, dh, h; write dx) and host time of a forward+backward:")
+        print("tilewise launchers alone, GPU only (bwd: read dy, dh, h; write dx), and host time of a "
+              "forward+backward:")
         for d in self.results["diagnostics"]["norm"] + self.results["diagnostics"]["activation"]:
-            print(f"  {d['op']:14s} {d['rows']}x{d['width']}: bwd {d['bwd_launcher_GBps']:6.0f} GB/s "
-                  f"({d['bwd_launcher_frac_copy']:.0%} of copy), host {d['tilewise_fwd_bwd_host_ms']:.3f} ms")
+            print(f"  {d['op']:14s} {d['rows']}x{d['width']}: bwd {d['bwd_launcher_frac_copy']:.0%} of copy, "
+                  f"host {d['tilewise_fwd_bwd_host_ms'] * 1e3:.0f} us")
         print()
         print(f"copy bandwidth {self.copy_gbps:.0f} GB/s; {self.results['gpu']}, torch {self.results['torch']}, "
               f"triton {self.results['triton']}, commit {self.results['commit'][:10]}")
-        head = f"{'op':14s} {'shape':12s} {'pass':7s} {'unit':5s} " + " ".join(f"{c:>13s}" for c in cols) + \
-            f" {'ratio':>6s} {'of copy':>7s} {'target':>6s}"
+        print("do_bench (host included; the targets), then GPU only (CUDA graph), then tilewise's host us a call")
+        head = f"{'op':14s} {'shape':12s} {'pass':7s} {'unit':5s} " + " ".join(f"{c:>13s}" for c in CONTESTANTS) + \
+            f" {'ratio':>6s} {'of copy':>7s} {'target':>6s} |" + " ".join(f"{c[:8]:>9s}" for c in CONTESTANTS) + \
+            f" | {'host us':>7s}"
         print(head)
         print("-" * len(head))
 
@@ -533,10 +650,14 @@ class Bench:
         for row in self.results["rows"]:
             shape = f"{row['shape']['rows']}x{row['shape']['width']}"
             target = row.get("meets_target")
+            spec = "13.3f" if row["unit"] == "ms" else "13.0f"
+            graph_spec = "9.3f" if row["unit"] == "ms" else "9.0f"
             print(f"{row['op']:14s} {shape:12s} {row['pass']:7s} {row['unit']:5s} "
-                  + " ".join(num(row.get(c), "13.3f" if row["unit"] == "ms" else "13.0f", 13) for c in cols)
+                  + " ".join(num(row.get(c), spec, 13) for c in CONTESTANTS)
                   + f" {num(row.get('ratio_best_peer'), '6.2f', 6)} {num(row.get('tilewise_frac_copy'), '7.1%', 7)}"
-                  + f" {('yes' if target else 'NO') if target is not None else '':>6s}")
+                  + f" {('yes' if target else 'NO') if target is not None else '':>6s} |"
+                  + " ".join(num(row.get(f"{c}_graph"), graph_spec, 9) for c in CONTESTANTS)
+                  + f" | {num(row.get('tilewise_host_us'), '7.0f', 7)}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tilewise import ops
-from tilewise.ops import activation
+from tilewise.ops import activation, launch
 from tilewise.ops.activation import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference
 
-from test_norm import DEVICE, DTYPES, nan_empty, rel_err, tolerance  # noqa: F401  (nan_empty: autouse fixture)
+from test_norm import DEVICE, DTYPES, nan_empty, odd_view, rel_err, tolerance  # noqa: F401  (nan_empty: autouse)
 
 
 def compare(kernel, reference, inputs, dy_shape, dy_dtype):
@@ -148,3 +148,47 @@ def test_gpu_benchmark_sizes(dtype, device):
     compare(bias_gelu, bias_gelu_reference, [x, b], x.shape, dtype)
     gu = torch.randn(16384, 2 * 8192, device=device, dtype=dtype)
     compare(swiglu, swiglu_reference, [gu], (16384, 8192), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_matches_normal_launch_bitwise(device):
+    """bias_gelu and swiglu at the benchmark's sizes: bit for bit the same through Triton's launch and the
+    direct one, and the direct one is taken; inputs at an odd element offset are still right."""
+    x, b = gelu_inputs(16384, 3072, torch.bfloat16)
+    gu = torch.randn(16384, 2 * 8192, device=device, dtype=torch.bfloat16)
+    dy_gelu = torch.randn_like(x)
+    dy_swiglu = torch.randn(16384, 8192, device=device, dtype=torch.bfloat16)
+
+    def run_once():
+        leaves = [t.detach().clone().requires_grad_() for t in (x, b, gu)]
+        y1 = bias_gelu(leaves[0], leaves[1])
+        y1.backward(dy_gelu)
+        y2 = swiglu(leaves[2])
+        y2.backward(dy_swiglu)
+        return [y1, y2] + [t.grad for t in leaves]
+
+    launchers = [activation._bias_gelu_fwd_launch, activation._bias_gelu_bwd_launch, activation._swiglu_fwd_launch,
+                 activation._swiglu_bwd_launch]
+    with launch.normal_launches():
+        expected = run_once()
+    run_once()
+    fast = [lc.fast_launches for lc in launchers]
+    got = run_once()
+    assert all(lc.fast_launches == f + 1 for lc, f in zip(launchers, fast))
+    for name, a, e in zip(["gelu y", "swiglu y", "dx", "dbias", "dgate_up"], got, expected):
+        assert torch.equal(a, e), name
+    for fn, ref_fn, inputs, dy in ((bias_gelu, bias_gelu_reference, [x[:512], b], dy_gelu[:512]),
+                                   (swiglu, swiglu_reference, [gu[:512]], dy_swiglu[:512])):
+        odd = [odd_view(inputs[0]).requires_grad_()] + [t.detach().clone().requires_grad_() for t in inputs[1:]]
+        assert odd[0].data_ptr() % 16
+        y = fn(*odd)
+        y.backward(odd_view(dy))
+        same = [t.detach().clone().requires_grad_() for t in inputs]
+        y_same = ref_fn(*same)
+        y_same.backward(dy)
+        ref = [t.detach().double().requires_grad_() for t in inputs]
+        y_ref = ref_fn(*ref)
+        y_ref.backward(dy.double())
+        for a, t, r in zip([y] + [t.grad for t in odd], [y_same] + [t.grad for t in same],
+                           [y_ref] + [t.grad for t in ref]):
+            assert rel_err(a, r) <= tolerance(a, t, r)

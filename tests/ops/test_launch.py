@@ -128,6 +128,7 @@ def test_key_classes_refine_tritons_specialization():
                     if native(BaseBackend, a, False, specialize, align) != native(BaseBackend, b, False, specialize,
                                                                                   align):
                         assert launch._arg_class(a) != launch._arg_class(b), (a, b)
+    assert launch._arg_classes(pool) == tuple(launch._arg_class(a) for a in pool)      # the inline copy
 
 
 @pytest.mark.parametrize("how", ["normal_launches()", "a launch hook", "a pre-run hook", "a changed global",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tilewise import ops
-from tilewise.ops import norm
+from tilewise.ops import launch, norm
 from tilewise.ops.norm import Config, add_dropout_norm, add_dropout_norm_reference, keep_mask
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -93,13 +93,16 @@ def make(rows, width, dtype, *, residual=True, bias=True, res_dtype=None, device
 
 
 def check_against_float64(x, r, w, b, *, kind, residual_dtype=None, dropout_p=0.0, seed=None, mask=None,
-                          kernel=None):
-    """Runs the kernel and the reference (same dtypes, and float64) and compares outputs and gradients."""
+                          kernel=None, grads=None):
+    """Runs the kernel and the reference (same dtypes, and float64) and compares outputs and gradients;
+    grads: the (dy, dh) to use instead of fresh ones."""
     h_dtype = residual_dtype or (r.dtype if r is not None else x.dtype)
     y_shape = x.shape
     g = torch.Generator().manual_seed(123)
     dy = torch.randn(y_shape, generator=g).to(x.device, x.dtype)
     dh = torch.randn(y_shape, generator=g).to(x.device, h_dtype)
+    if grads is not None:
+        dy, dh = grads
 
     def kernel_fn(x, r, w, b):
         with ops.use("triton"):
@@ -210,15 +213,22 @@ def test_tile_shapes_agree(cfg):
 
 
 def test_launch_configs():
-    """Whole rows in registers up to 8192 wide, chunks beyond; 8 elements a thread, tiles of at least 1024
-    elements, and a loop pipelined deep enough (>= 3 stages) to keep loads in flight while a tile computes."""
+    """Whole rows in registers up to 8192 wide, chunks beyond; every table entry covers its width with a
+    power-of-two tile, 1 to 64 elements a thread, warps a power of two up to 32, a pipelined loop."""
     for width in [1, 7, 16, 100, 768, 1000, 1024, 2048, 3000, 4096, 5000, 8192, 8193, 20000, 65536]:
-        for cfg in (norm.forward_config(width), norm.backward_config(width)):
-            assert cfg.chunked == (width > 8192), (width, cfg)
-            assert cfg.num_stages >= 3 and 1 <= cfg.num_warps <= 32, (width, cfg)
-            if not cfg.chunked:
-                assert cfg.block_n >= width and cfg.block_m * cfg.block_n >= min(1024, 64 * cfg.block_n)
-                assert cfg.block_m * cfg.block_n == 8 * 32 * cfg.num_warps, (width, cfg)
+        for is_rms in (False, True):
+            for cfg in (norm.forward_config(width, is_rms), norm.backward_config(width, is_rms)):
+                assert cfg.chunked == (width > 8192), (width, cfg)
+                assert cfg.num_stages >= 2 and cfg.waves >= 0, (width, cfg)
+                assert cfg.num_warps in (1, 2, 4, 8, 16, 32), (width, cfg)
+                assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_m & (cfg.block_m - 1) == 0, (width, cfg)
+                if not cfg.chunked:
+                    assert width <= cfg.block_n <= 8192, (width, cfg)
+                    assert 1 <= cfg.block_m * cfg.block_n // (32 * cfg.num_warps) <= 64, (width, cfg)
+    for table in (norm._CONFIGS, norm._RMS_CONFIGS):
+        for width, pair in table.items():
+            assert len(pair) == 2 and all(width <= c.block_n for c in pair), (width, pair)
+    assert norm.forward_config(768) == norm._CONFIGS.get(768, norm._CONFIGS[1024])[0]
 
 
 _SM90_BUILD = r"""
@@ -494,3 +504,77 @@ def test_gpu_pipelined_loops_with_few_tiles(rows, width, device):
     x, r, w, b = make(rows, width, torch.bfloat16, res_dtype=torch.float32, device=device, seed=rows)
     check_against_float64(x, r, w, b, kind="layernorm", residual_dtype=torch.float32, dropout_p=0.2, seed=5,
                           mask=keep_mask(rows, width, 0.2, 5, device=device))
+
+
+def odd_view(t):
+    """A copy of t as a view starting at element 1 of its storage: a pointer off 16-byte alignment."""
+    base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = base[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def norm_launchers():
+    return [norm._fwd_launch, norm._fwd_chunked_launch, norm._bwd_launch, norm._bwd_row_sums_launch,
+            norm._sum_partials_launch]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16384, 4096), (65536, 768), (8192, 8192), (512, 20000)], ids=str)
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+def test_gpu_fast_launch_matches_normal_launch_bitwise(shape, kind, device):
+    """Triton's own launches and FastLauncher's direct ones give bit for bit the same outputs and gradients
+    (dropout and an fp32 residual stream included), and the direct path is the one taken."""
+    x, r, w, b = make(*shape, torch.bfloat16, res_dtype=torch.float32, device=device, seed=shape[1])
+    g = torch.Generator(device=device).manual_seed(1)
+    dy = torch.randn(shape, device=device, generator=g).to(torch.bfloat16)
+    dh = torch.randn(shape, device=device, generator=g)
+
+    def run_once():
+        leaves = [leaf(t) for t in (x, r, w.float(), b.float())]
+        y, h = add_dropout_norm(*leaves, kind=kind, dropout_p=0.1, seed=77)
+        torch.autograd.backward([y, h], [dy, dh])
+        return [y, h] + [t.grad for t in leaves]
+
+    with launch.normal_launches():
+        expected = run_once()
+    run_once()
+    fast = sum(lc.fast_launches for lc in norm_launchers())
+    normal = sum(lc.normal_launches for lc in norm_launchers())
+    got = run_once()
+    assert sum(lc.normal_launches for lc in norm_launchers()) == normal
+    assert sum(lc.fast_launches for lc in norm_launchers()) >= fast + 3        # forward, backward, sums
+    for name, a, e in zip(["y", "h", "dx", "dresidual", "dweight", "dbias"], got, expected):
+        assert torch.equal(a, e), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+def test_gpu_unaligned_views_get_their_own_kernels(kind, device):
+    """After aligned calls of one shape have kernels built for 16-byte aligned pointers, inputs and
+    gradients that are views starting at element 1 take a normal launch first (a new key), run a kernel
+    compiled for them, and still match the float64 reference; aligned calls then still launch directly."""
+    x, r, w, b = make(4096, 768, torch.bfloat16, device=device, seed=11)
+    check_against_float64(x, r, w, b, kind=kind)
+    check_against_float64(x, r, w, b, kind=kind)                     # direct launches, aligned kernels
+    normal = [norm._fwd_launch.normal_launches, norm._bwd_launch.normal_launches]
+    xo, ro = odd_view(x), odd_view(r)
+    g = torch.Generator(device=device).manual_seed(2)
+    dy, dh = (odd_view(torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)) for _ in range(2))
+    assert xo.data_ptr() % 16 and dy.data_ptr() % 16
+    check_against_float64(xo, ro, w, b, kind=kind, grads=(dy, dh))
+    assert [norm._fwd_launch.normal_launches, norm._bwd_launch.normal_launches] == [n + 1 for n in normal]
+
+    def compiled(launcher, aligned):
+        """The kernels kept for keys whose bf16 tensor arguments are all aligned (or not all)."""
+        out = set()
+        for key, entry in launcher._entries.items():
+            flags = [c[1] for c in key[3] if isinstance(c, tuple) and c[0] == torch.bfloat16]
+            if entry is not launch._NORMAL and flags and all(flags) == aligned:
+                out.add(id(entry.compiled))
+        return out
+    for launcher in (norm._fwd_launch, norm._bwd_launch):
+        assert compiled(launcher, False) and not compiled(launcher, False) & compiled(launcher, True)
+    fast = norm._fwd_launch.fast_launches
+    check_against_float64(x, r, w, b, kind=kind)
+    assert norm._fwd_launch.fast_launches == fast + 1

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import FastLauncher
+from .launch import FastLauncher, cdiv as _cdiv
 from .norm import launch_programs, programs_per_wave, sum_partials
 
 
@@ -119,7 +119,7 @@ def _bias_gelu_forward(x, bias, out_dtype):
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M:
         bm, bn, warps = _tile(N)
-        _bias_gelu_fwd_launch((triton.cdiv(M, bm), triton.cdiv(N, bn)), x, x if bias is None else bias, y, M, N,
+        _bias_gelu_fwd_launch((_cdiv(M, bm), _cdiv(N, bn)), x, x if bias is None else bias, y, M, N,
                               HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return y
 
@@ -130,7 +130,7 @@ def _bias_gelu_bwd_tile(width: int) -> tuple[int, int, int]:
     return max(1, 1024 // block_n), block_n, 4
 
 
-_BWD_PLANS: dict = {}       # (device, width, bias?, dtypes) -> (rows a tile, column blocks, constexprs, programs a wave)
+_BWD_PLANS: dict = {}   # (device, width, bias?, dtypes) -> (rows a tile, column blocks, bound launcher, programs a wave)
 
 
 def _bias_gelu_backward(dy, x, bias):
@@ -152,16 +152,17 @@ def _bias_gelu_backward(dy, x, bias):
     plan = _BWD_PLANS.get(key)
     if plan is None:
         bm, bn, warps = _bias_gelu_bwd_tile(N)
-        n_col = triton.cdiv(N, bn)
+        n_col = _cdiv(N, bn)
         meta = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=4, num_warps=warps, num_stages=4)
         # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
-        args = (dy, x, b, dx, dx if bias is None else torch.float32, M, N, triton.cdiv(M, bm))
-        plan = _BWD_PLANS[key] = (bm, n_col, meta, programs_per_wave(_bias_gelu_bwd_kernel, args, meta, dev, n_col))
-    bm, n_col, meta, per_wave = plan
-    n_tiles = triton.cdiv(M, bm)
+        args = (dy, x, b, dx, dx if bias is None else torch.float32, M, N, _cdiv(M, bm))
+        per_wave = programs_per_wave(_bias_gelu_bwd_kernel, args, meta, dev, n_col)
+        plan = _BWD_PLANS[key] = (bm, n_col, _bias_gelu_bwd_launch.bind(**meta), per_wave)
+    bm, n_col, launch, per_wave = plan
+    n_tiles = _cdiv(M, bm)
     programs = launch_programs(per_wave, 1, n_tiles)
     part = dx if bias is None else torch.empty((programs, N), dtype=torch.float32, device=dev)
-    _bias_gelu_bwd_launch((programs, n_col), dy, x, b, dx, part, M, N, n_tiles, **meta)
+    launch((programs, n_col), dy, x, b, dx, part, M, N, n_tiles)
     if bias is not None:
         sum_partials(part, programs, db)
     return dx, db
@@ -172,7 +173,7 @@ def _swiglu_forward(gu):
     y = torch.empty((M, F2 // 2), dtype=gu.dtype, device=gu.device)
     if M and F2:
         bm, bn, warps = _tile(F2 // 2)
-        _swiglu_fwd_launch((triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn)), gu, y, M, F2 // 2, BLOCK_M=bm, BLOCK_N=bn,
+        _swiglu_fwd_launch((_cdiv(M, bm), _cdiv(F2 // 2, bn)), gu, y, M, F2 // 2, BLOCK_M=bm, BLOCK_N=bn,
                            num_warps=warps)
     return y
 
@@ -182,7 +183,7 @@ def _swiglu_backward(dy, gu):
     dgu = torch.empty_like(gu)
     if M and F2:
         bm, bn, warps = _tile(F2 // 2)
-        _swiglu_bwd_launch((triton.cdiv(M, bm), triton.cdiv(F2 // 2, bn)), dy, gu, dgu, M, F2 // 2, BLOCK_M=bm,
+        _swiglu_bwd_launch((_cdiv(M, bm), _cdiv(F2 // 2, bn)), dy, gu, dgu, M, F2 // 2, BLOCK_M=bm,
                            BLOCK_N=bn, num_warps=warps)
     return dgu
 

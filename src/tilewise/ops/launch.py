@@ -8,6 +8,8 @@ the way JITFunction.run itself does at its end:
 
     launcher = FastLauncher(kernel)          # once, at import
     launcher(grid, *args, **meta)            # instead of kernel[grid](*args, **meta)
+    bound = launcher.bind(**meta)            # or, where one meta serves many calls (a launch plan):
+    bound(grid, *args)
 
 The key must separate every call Triton would compile separately, or a launch could run a kernel built for
 other arguments. It holds the current device, Triton's debug and instrumentation knobs, the meta keywords
@@ -58,20 +60,28 @@ def fast_launch_enabled() -> bool:
     return _ENABLED[0]
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: triton.cdiv is a constexpr_function, microseconds of Python a call."""
+    return -(-a // b)
+
+
 class _Unkeyable(Exception):
     """An argument the key cannot classify: the call takes the normal launch."""
 
 
-def _arg_class(a):
-    """A class of one positional argument, at least as fine as Triton's specialization of it."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
+def _int_class(a: int):
+    """1; else 2 (i32 range), 3 (u64 range) or 4 (i64 range), plus 16 when divisible by 16."""
+    if a == 1:
+        return 1
+    size = 2 if -0x80000000 <= a <= 0x7FFFFFFF else 3 if a >= 0x8000000000000000 else 4
+    return size + 16 if a % 16 == 0 else size
+
+
+def _scalar_class(a):
+    """A class of one non-tensor argument, at least as fine as Triton's specialization of it."""
     t = type(a)
     if t is int:
-        if a == 1:
-            return 1
-        size = 2 if -0x80000000 <= a <= 0x7FFFFFFF else 3 if a >= 0x8000000000000000 else 4
-        return size + 16 if a % 16 == 0 else size
+        return _int_class(a)
     if t is float:
         return "fp32"
     if t is bool:
@@ -79,6 +89,29 @@ def _arg_class(a):
     if a is None:
         return None
     raise _Unkeyable
+
+
+def _arg_class(a):
+    """A class of one positional argument, at least as fine as Triton's specialization of it."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    return _scalar_class(a)
+
+
+def _arg_classes(args) -> tuple:
+    """_arg_class of every argument, with the tensor and int cases inline (this runs on every launch)."""
+    return tuple([
+        (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else
+        (1 if a == 1 else (2 if -0x80000000 <= a <= 0x7FFFFFFF else 3 if a >= 0x8000000000000000 else 4)
+         + (16 if a % 16 == 0 else 0)) if a.__class__ is int else
+        _scalar_class(a)
+        for a in args])
+
+
+def _meta_key(meta: dict) -> tuple:
+    """The meta keywords with their values' types (Triton compiles BLOCK=32 and BLOCK=32.0, or True and 1,
+    separately, while they are equal and hash alike)."""
+    return tuple(meta.items()), tuple(map(type, meta.values()))
 
 
 # The current CUDA device and stream, as Triton's driver reports them (bound on first use; tests replace them).
@@ -121,7 +154,8 @@ _NORMAL = object()      # the entry of a key whose calls always take the normal 
 
 class FastLauncher:
     """`launcher(grid, *args, **meta)` launches `kernel` as `kernel[grid](*args, **meta)` does, skipping
-    JITFunction.run's Python after the first call with a given key (see the module docstring)."""
+    JITFunction.run's Python after the first call with a given key (see the module docstring).
+    `launcher.bind(**meta)` fixes the meta keywords once: `bound(grid, *args)` then skips hashing them."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -136,21 +170,31 @@ class FastLauncher:
             self._defaults = {p.name: p.default for p in params if p.has_default}
 
     def __call__(self, grid, *args, **meta):
-        if not (self.fast and _ENABLED[0]):
+        try:
+            meta_key = _meta_key(meta) if self.fast else None
+            hash(meta_key)
+        except TypeError:                   # an unhashable meta value: no key
+            return self._normal(grid, args, meta, None)
+        return self.launch(grid, args, meta, meta_key)
+
+    def bind(self, **meta) -> "BoundLauncher":
+        return BoundLauncher(self, meta)
+
+    def launch(self, grid, args: tuple, meta: dict, meta_key):
+        if not (self.fast and _ENABLED[0]) or meta_key is None:
             return self._normal(grid, args, meta, None)
         if _get_device is None:
             _bind_driver()
         device = _get_device()
         try:
-            key = (device, _knob_state(), tuple([_arg_class(a) for a in args]), tuple(meta.items()),
-                   tuple(map(type, meta.values())))
-            entry = self._entries.get(key)
-        except (_Unkeyable, TypeError):         # TypeError: an unhashable meta value
+            key = (device, _knob_state(), meta_key, _arg_classes(args))
+        except _Unkeyable:
             return self._normal(grid, args, meta, None)
+        entry = self._entries.get(key)
         if entry is None:
             return self._normal(grid, args, meta, key)
-        kernel = self.kernel
-        if entry is _NORMAL or callable(grid) or kernel.pre_run_hooks or _hooks_installed() or self._globals_changed():
+        if entry is _NORMAL or callable(grid) or self.kernel.pre_run_hooks or _hooks_installed() or \
+                self._globals_changed():
             return self._normal(grid, args, meta, None)
         n = len(grid)
         entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), entry.function,
@@ -196,3 +240,19 @@ class FastLauncher:
             if scope.get(name, missing) != value:
                 return True
         return False
+
+
+class BoundLauncher:
+    """A FastLauncher with its meta keywords fixed (and keyed) once: `bound(grid, *args)`."""
+    __slots__ = ("launcher", "meta", "meta_key")
+
+    def __init__(self, launcher: FastLauncher, meta: dict):
+        self.launcher, self.meta = launcher, dict(meta)
+        try:
+            self.meta_key = _meta_key(self.meta)
+            hash(self.meta_key)
+        except TypeError:
+            self.meta_key = None
+
+    def __call__(self, grid, *args):
+        return self.launcher.launch(grid, args, self.meta, self.meta_key)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import FastLauncher
+from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 _MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
@@ -338,9 +338,9 @@ class Config(NamedTuple):
     waves: int = 1
 
 
-# The row-tile kernels' launch configs by row width (rounded up to a power of two, at least 16); wider rows
-# than _MAX_ROW go by chunks. Edit here to retune: `bench/fused.py --sweep` on the H200 prints its best
-# configs in this format. The defaults keep 8 elements a thread (16-byte loads of bf16) in tiles of at least
+# The row-tile kernels' launch configs by row width: an exact width's entry, else its power of two's (at
+# least 16); wider rows than _MAX_ROW go by chunks. Edit here to retune: `bench/fused.py --sweep` on the
+# H200 prints its best configs in this format. The defaults keep 8 elements a thread (16-byte loads of bf16) in tiles of at least
 # 1024 elements (several narrow rows), 4 pipeline stages. Their sm_90 builds (Triton 3.6, bf16 with bf16
 # weights, no dropout) use 48-53 registers in the LayerNorm forward, 40-62 in the RMSNorm one, 64-85 and
 # 60-64 in the backwards, and do not spill: 768- and 1024-wide rows keep 7-12 programs an SM, 8192-wide rows
@@ -359,15 +359,20 @@ _CONFIGS = {
     4096:   (Config(1, 4096, 16),    Config(1, 4096, 16)),
     8192:   (Config(1, 8192, 32),    Config(1, 8192, 32, num_stages=3)),
 }
-_RMS_CONFIGS: dict = {}         # RMSNorm's entries where they differ from _CONFIGS (same format)
+_RMS_CONFIGS: dict = {}         # RMSNorm's entries where they differ from _CONFIGS (same format, looked up first)
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
 
 
 def _table_config(width: int, is_rms: bool, which: int) -> Config:
+    """The entry for this exact width, else for its power of two; RMSNorm's own table first."""
     if width > _MAX_ROW:
         return _CHUNKED
     block_n = max(16, triton.next_power_of_2(width))
-    return ((is_rms and _RMS_CONFIGS.get(block_n)) or _CONFIGS[block_n])[which]
+    for table in (_RMS_CONFIGS, _CONFIGS) if is_rms else (_CONFIGS,):
+        entry = table.get(width) or table.get(block_n)
+        if entry:
+            return entry[which]
+    raise AssertionError(f"no launch config for width {width}")
 
 
 def forward_config(width: int, is_rms: bool = False) -> Config:
@@ -459,20 +464,20 @@ _PLANS: dict = {}
 
 class _Plan(NamedTuple):
     cfg: Config
-    meta: dict
+    launch: BoundLauncher       # the kernel's launcher with the plan's constexprs and options
     per_wave: int
     thr: int
     scale: float
 
 
-def _plan(kernel, cfg: Config, flags: dict, p: float, args, device, n_col: int = 1) -> _Plan:
+def _plan(launcher: FastLauncher, cfg: Config, flags: dict, p: float, args, device, n_col: int = 1) -> _Plan:
     meta = dict(flags, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     per_wave = 0
-    if not cfg.chunked or kernel is _bwd_kernel:
+    if launcher is not _fwd_chunked_launch:
         meta["BLOCK_M"] = cfg.block_m
-        per_wave = programs_per_wave(kernel, args, meta, device, n_col)
-    return _Plan(cfg, meta, per_wave, *_dropout_params(p))
+        per_wave = programs_per_wave(launcher.kernel, args, meta, device, n_col)
+    return _Plan(cfg, launcher.bind(**meta), per_wave, *_dropout_params(p))
 
 
 def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None):
@@ -494,30 +499,29 @@ def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Opti
     if plan is None:
         cfg = cfg or forward_config(N, is_rms)
         flags = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0)
-        kernel = _fwd_chunked_kernel if cfg.chunked else _fwd_kernel
+        launcher = _fwd_chunked_launch if cfg.chunked else _fwd_launch
         thr, scale = _dropout_params(p)
-        plan = _PLANS[key] = _plan(kernel, cfg, flags, p, args + (thr, scale, triton.cdiv(M, cfg.block_m)), dev)
+        plan = _PLANS[key] = _plan(launcher, cfg, flags, p, args + (thr, scale, _cdiv(M, cfg.block_m)), dev)
     cfg = plan.cfg
     if cfg.chunked:
-        _fwd_chunked_launch((M,), *args, plan.thr, plan.scale, **plan.meta)
+        plan.launch((M,), *args, plan.thr, plan.scale)
     else:
-        n_tiles = triton.cdiv(M, cfg.block_m)
-        _fwd_launch((launch_programs(plan.per_wave, cfg.waves, n_tiles),), *args, plan.thr, plan.scale, n_tiles,
-                    **plan.meta)
+        n_tiles = _cdiv(M, cfg.block_m)
+        plan.launch((launch_programs(plan.per_wave, cfg.waves, n_tiles),), *args, plan.thr, plan.scale, n_tiles)
     return y, h, stats
 
 
-def _reduce_meta(N: int) -> tuple[int, dict]:
-    """The second stage's tiles: 128 partial rows x 32 columns (a 128-byte line a row) a step, 4 warps."""
-    return triton.cdiv(N, 32), dict(BLOCK_R=128, BLOCK_N=32, NUM_STAGES=3, num_warps=4, num_stages=3)
+# the second stage's tiles: 128 partial rows x 32 columns (a 128-byte line a row) a step, 4 warps
+_SUM_COLUMNS = 32
+_sum_partials = _sum_partials_launch.bind(BLOCK_R=128, BLOCK_N=_SUM_COLUMNS, NUM_STAGES=3, num_warps=4,
+                                          num_stages=3)
 
 
 def sum_partials(part, rows: int, dw, db=None):
     """dw (and db) = the column sums of the fp32 partial rows part[0] (and part[1]), (rows, N) each, written
     in dw's (db's) dtype by one small kernel."""
-    n_blocks, meta = _reduce_meta(dw.shape[0])
-    _sum_partials_launch((n_blocks, 1 if db is None else 2), part, dw, dw if db is None else db, rows, dw.shape[0],
-                         **meta)
+    N = dw.shape[0]
+    _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 if db is None else 2), part, dw, dw if db is None else db, rows, N)
 
 
 def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
@@ -542,16 +546,16 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
     plan = _PLANS.get(key)
     if plan is None:
         cfg = cfg or backward_config(N, is_rms)
-        n_col = triton.cdiv(N, cfg.block_n) if cfg.chunked else 1
+        n_col = _cdiv(N, cfg.block_n) if cfg.chunked else 1
         flags = dict(HAS_DHIN=dh is not None, HAS_DR=separate, HAS_BIAS=bias_dtype is not None, IS_RMS=is_rms,
                      HAS_DROP=p > 0.0, SPLIT=cfg.chunked)
         # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
         args = (dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, torch.float32,
-                M, N, triton.cdiv(M, cfg.block_m), seed, *_dropout_params(p))
-        plan = _PLANS[key] = _plan(_bwd_kernel, cfg, flags, p, args, dev, n_col)
+                M, N, _cdiv(M, cfg.block_m), seed, *_dropout_params(p))
+        plan = _PLANS[key] = _plan(_bwd_launch, cfg, flags, p, args, dev, n_col)
     cfg = plan.cfg
-    n_tiles = triton.cdiv(M, cfg.block_m)
-    n_col = triton.cdiv(N, cfg.block_n) if cfg.chunked else 1
+    n_tiles = _cdiv(M, cfg.block_m)
+    n_col = _cdiv(N, cfg.block_n) if cfg.chunked else 1
     c = stats
     if cfg.chunked:
         c = torch.empty((2, M), dtype=torch.float32, device=dev)
@@ -559,8 +563,8 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
                              NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     programs = launch_programs(plan.per_wave, cfg.waves, n_tiles)
     part = torch.empty((1 if db is None else 2, programs, N), dtype=torch.float32, device=dev)
-    _bwd_launch((programs, n_col), dy, dy if dh is None else dh, h, weight, stats, c, dx, dx if dr is None else dr,
-                part, M, N, n_tiles, seed, plan.thr, plan.scale, **plan.meta)
+    plan.launch((programs, n_col), dy, dy if dh is None else dh, h, weight, stats, c, dx, dx if dr is None else dr,
+                part, M, N, n_tiles, seed, plan.thr, plan.scale)
     sum_partials(part, programs, dw, db)
     return dx, dr, dw, db
 
@@ -656,7 +660,7 @@ def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> tor
     out = torch.empty((n_rows, width), dtype=torch.int8, device=device)
     if out.numel():
         thr, _ = _dropout_params(p)
-        grid = (triton.cdiv(n_rows, 16), triton.cdiv(width, 256))
+        grid = (_cdiv(n_rows, 16), _cdiv(width, 256))
         _keep_mask_kernel[grid](out, n_rows, width, int(seed), thr, BLOCK_M=16, BLOCK_N=256, num_warps=4)
     return out.bool()
 
