@@ -99,8 +99,8 @@ def test_bad_arguments():
         convert_to_fp8(nn.Linear(16, 16))
     with pytest.raises(TypeError, match="callable"):
         convert_to_fp8(Net(), skip="head")
-    with pytest.raises(ValueError, match="block"):
-        convert_to_fp8(Net(), "blockwise")
+    with pytest.raises(ValueError, match="scaling"):
+        convert_to_fp8(Net(), "rowwise")
 
 
 def test_recipe_from_config():

@@ -4,11 +4,20 @@ forward  y  = x W^T : x8 (E4M3, M x K row-major) @ W8^T (W8 is N x K row-major =
 backward dx = dy W  : dy8 (E5M2 in hybrid) @ W8t^T (W8t: K x N row-major)
          dW = dy^T x: dy8t (N x M row-major) @ x8t^T (x8t: K x M row-major)
 One cast pass per tensor writes each copy it needs (x8 and x8t; dy8 and dy8t; W8 and W8t) and its amax.
-_scaled_mm takes the inverse scales; fast accumulation only in the forward GEMM. The weight is cast once
-per optimizer step: the copy is cached under (weight._version, data pointer, state generation), so a
+Each copy comes with the inverse scales _scaled_mm multiplies back in:
+- per tensor ("delayed", "current"): one float32 for both copies;
+- "blockwise": one per 1x128 segment along the copy's contraction dimension (x8 and W8 along K, dy8 and
+  W8t along N, x8t and dy8t along M), the cuBLAS "VEC128 x VEC128" block scaling that torch._scaled_mm
+  runs on sm90 with cuBLAS >= 12.9. It is finer than DeepSeek-V3's recipe, which scales weights in 128x128
+  tiles so that W and W^T share one quantization: here W8 and W8t are scaled separately, each along its own
+  contraction dimension, which also keeps clear of the 128x128 scale grid's padding rules (its leading
+  dimension rounded up to 4 blocks in cuBLAS, checked differently across torch versions). Row counts are
+  padded to a multiple of 128 so every block of the weight-gradient contraction is whole.
+Fast accumulation only in the per-tensor forward GEMM. The weight is cast once per optimizer step: the copy
+(and the bias in the output dtype) is cached under (weight._version, data pointer, state generation), so a
 micro-batch reuses it, and Fp8State.step() or any in-place change of the weight (optimizer.step,
-load_state_dict) makes the next forward cast again. The layer saves x8t (1 byte per element) for
-backward instead of x.
+load_state_dict) makes the next forward cast again. The layer saves x8t (1 byte per element) for backward
+instead of x.
 """
 from __future__ import annotations
 
@@ -18,95 +27,137 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.fp8_cast import cast_current, cast_delayed
+from ..ops.fp8_cast import BLOCK, SCALE_INV_OFFSET, block_dequantize_reference, cast_block, cast_current, cast_delayed
 from .recipe import Fp8Recipe, as_recipe
 from .state import Fp8State
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fp8_compatible(linear: nn.Linear) -> bool:
-    """True when _scaled_mm can run this layer: both dims multiples of 16, a bf16/fp16/fp32 weight."""
-    return (linear.in_features % 16 == 0 and linear.out_features % 16 == 0
-            and linear.weight.dtype in _DTYPES)
+def _multiple(recipe: Fp8Recipe) -> int:
+    """What in_features and out_features must be multiples of: 16 for _scaled_mm, 128 for whole blocks."""
+    return BLOCK if recipe.scaling == "blockwise" else 16
 
 
-def _cast(state: Fp8State, slot: int, x2: torch.Tensor, rowwise: bool, transpose: bool, col_sums=None):
-    """Cast a 2-D tensor into slot's format; returns (copy, transposed copy, inverse scale (1,))."""
-    dtype = state.dtypes[slot]
-    scale, scale_inv, amax = state.views(slot)
-    if state.recipe.scaling == "current" or not state.warm:
-        y, yt, scales = cast_current(x2, dtype, scale, state.recipe.margin, amax, rowwise, transpose,
-                                     col_sums=col_sums)
-        return y, yt, scales[1:2]  # 1/scale, 16-byte aligned (see current_scales)
-    y, yt = cast_delayed(x2, dtype, scale, amax, rowwise, transpose, col_sums=col_sums)
-    return y, yt, scale_inv
+def fp8_compatible(linear: nn.Linear, recipe: Fp8Recipe | str = "delayed") -> bool:
+    """True when this layer can run in FP8 under `recipe`: both dims multiples of 16 (128 for "blockwise"),
+    a bf16/fp16/fp32 weight."""
+    k = _multiple(as_recipe(recipe))
+    return linear.in_features % k == 0 and linear.out_features % k == 0 and linear.weight.dtype in _DTYPES
 
 
+# ----------------------------------------------------------------------------------------------------
+# Casts: each returns (q, q_scales, q_t, q_t_scales); a copy not asked for is None
+# ----------------------------------------------------------------------------------------------------
+def _cast_per_tensor(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums=None):
+    """One inverse scale (a 16-byte aligned one-element view) serves both copies."""
+    scale, scale_inv, amax_i32 = state.views(slot)
+    if state.current or not state.warm:  # until the first step() fills the history, current scaling
+        y, yt, scratch = cast_current(x2, state.dtypes[slot], scale, state.recipe.margin, amax_i32, rowwise,
+                                      transpose, col_sums=col_sums)
+        inv = scratch[SCALE_INV_OFFSET:SCALE_INV_OFFSET + 1]
+        return y, inv, yt, inv
+    y, yt = cast_delayed(x2, state.dtypes[slot], scale, amax_i32, rowwise, transpose, col_sums=col_sums)
+    return y, scale_inv, yt, scale_inv
+
+
+def _cast_blockwise(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums=None):
+    """Inverse scales per 1x128 segment, stored (cols/128, rows) per copy (see tilewise.ops.fp8_cast)."""
+    return cast_block(x2, state.dtypes[slot], state.views(slot)[2], rowwise, transpose, col_sums)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GEMMs: (a * a_scales) @ (b * b_scales), a row-major, b a column-major (transposed) view of a row-major copy
+# ----------------------------------------------------------------------------------------------------
 def _aligned(scale: torch.Tensor) -> torch.Tensor:
     """cuBLASLt rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on the
     H200). Fp8State and the current-scaling cast lay their scales out aligned; anything else is copied."""
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
-def _scaled_gemm(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
-    """(a * a_inv) @ (b * b_inv) (+ bias): a row-major, b column-major, fp32 accumulation.
-
-    _scaled_mm adds a bias only for a 16-bit output, so an fp32 output gets it afterwards.
-    """
-    fused_bias = bias is not None and out_dtype != torch.float32
-    a_inv, b_inv = _aligned(a_inv), _aligned(b_inv)
-    y = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, bias=bias.to(out_dtype) if fused_bias else None,
+def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
+    """_scaled_mm adds a bias only for a 16-bit output, so an fp32 output gets it afterwards."""
+    fused = bias is not None and out_dtype != torch.float32
+    y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), bias=bias if fused else None,
                          out_dtype=out_dtype, use_fast_accum=fast_accum)
-    if bias is not None and not fused_bias:
-        y = y + bias.to(out_dtype)
-    return y
+    return y + bias if bias is not None and not fused else y
 
 
+# out dtypes the block-scaled cuBLAS GEMM refused on a device: those GEMMs run in bf16 and are cast after.
+_BLOCK_OUT_REFUSED: set = set()
+
+
+def _gemm_blockwise(a, b, a_scales, b_scales, out_dtype, bias=None, fast_accum=False):
+    """a_scales (cols/128, rows of a) and b_scales (cols/128, rows of b.t()) as the casts store them. On CUDA
+    torch._scaled_mm with 1x128 x 1x128 block scales; elsewhere (no CPU kernel) the same product of the
+    dequantized operands in fp32."""
+    if a.is_cuda:
+        y = _scaled_mm_blockwise(a, b, a_scales.t(), b_scales, out_dtype)
+    else:
+        y = (block_dequantize_reference(a, a_scales) @ block_dequantize_reference(b.t(), b_scales).t()).to(out_dtype)
+    return y.add_(bias) if bias is not None else y
+
+
+def _scaled_mm_blockwise(a, b, a_scales, b_scales, out_dtype):
+    key = (a.device, out_dtype)
+    if key not in _BLOCK_OUT_REFUSED:
+        try:
+            return torch._scaled_mm(a, b, scale_a=a_scales, scale_b=b_scales, out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError) as e:
+            if out_dtype == torch.bfloat16:
+                raise RuntimeError(f"FP8 recipe 'blockwise' needs torch._scaled_mm with 1x128 block scales (sm90 and "
+                                   f"cuBLAS >= 12.9); here it failed: {type(e).__name__}: {e}") from e
+            _BLOCK_OUT_REFUSED.add(key)
+    return _scaled_mm_blockwise(a, b, a_scales, b_scales, torch.bfloat16).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The autograd Function
+# ----------------------------------------------------------------------------------------------------
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, out_dtype, grad_enabled):
-        state, slot = layer.fp8_state, layer.fp8_slot
-        K, N = weight.shape[1], weight.shape[0]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, K)
+        state, slot, cast, gemm = layer.fp8_state, layer.fp8_slot, layer._cast, layer._gemm
+        K, N = layer.in_features, layer.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, K)
         M = x2.shape[0]
-        pad = -M % 16  # the weight-gradient GEMM contracts over tokens: _scaled_mm wants a multiple of 16
+        pad = -M % layer._row_multiple  # the weight-gradient GEMM contracts over rows
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
         # needs_input_grad ignores no_grad mode: without grad the transposed copies are not made
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
-        w8, w8t, w_inv = layer._weight_fp8(need_t=need_dx)
-        x8, x8t, x_inv = _cast(state, slot, x2, rowwise=True, transpose=need_dw)
-        y = _scaled_gemm(x8, w8.t(), x_inv, w_inv, out_dtype, bias=bias, fast_accum=True)
+        w8, w_s, w8t, w_ts = layer._weight_fp8(need_t=need_dx)
+        x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw)
+        y = gemm(x8, w8.t(), x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
         if pad:
             y = y[:M]
-        ctx.save_for_backward(x8t, x_inv, w8t, w_inv)
+        ctx.save_for_backward(x8t, x_ts, w8t, w_ts)
         ctx.layer, ctx.M, ctx.pad, ctx.x_shape, ctx.x_dtype = layer, M, pad, x.shape, x.dtype
-        ctx.w_dtype, ctx.has_bias = weight.dtype, bias is not None
-        return y.reshape(*lead, N)
+        ctx.w_dtype = weight.dtype
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, x_inv, w8t, w_inv = ctx.saved_tensors
+        x8t, x_ts, w8t, w_ts = ctx.saved_tensors
         layer = ctx.layer
-        state, slot = layer.fp8_state, layer.fp8_slot
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         if ctx.pad:
             dy2 = F.pad(dy2, (0, 0, 0, ctx.pad))
         dx = dw = db = None
-        want_db = need_db and ctx.has_bias
+        want_db = need_db and layer.bias is not None
         if need_dx or need_dw:
             # the bias gradient comes from the same read of dy (pad rows are zero)
             sums = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device) if want_db else None
-            dy8, dy8t, dy_inv = _cast(state, slot + 2, dy2, rowwise=need_dx, transpose=need_dw, col_sums=sums)
+            dy8, dy_s, dy8t, dy_ts = layer._cast(layer.fp8_state, layer.fp8_slot + 2, dy2, need_dx, need_dw, sums)
             if need_dx:
-                dx = _scaled_gemm(dy8, w8t.t(), dy_inv, w_inv, ctx.x_dtype)
-                dx = (dx[:ctx.M] if ctx.pad else dx).reshape(ctx.x_shape)
+                dx = layer._gemm(dy8, w8t.t(), dy_s, w_ts, ctx.x_dtype)
+                if ctx.pad:
+                    dx = dx[:ctx.M]
+                dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
             if need_dw:
-                dw = _scaled_gemm(dy8t, x8t.t(), dy_inv, x_inv, ctx.w_dtype)
+                dw = layer._gemm(dy8t, x8t.t(), dy_ts, x_ts, ctx.w_dtype)
             if want_db:
                 db = sums.to(layer.bias.dtype)
         elif want_db:
@@ -114,29 +165,39 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+# ----------------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------------
 class Fp8Linear(nn.Linear):
     """Drop-in nn.Linear computing in FP8; parameters stay in their own dtype (the master copy).
 
-    in_features and out_features must be multiples of 16. `state`/`slot`: the shared Fp8State and the
-    first of this layer's three slots (convert_to_fp8 sets them); without them the layer makes a private
-    state from `recipe`. Call `fp8_state.step()` after each optimizer step.
+    in_features and out_features must be multiples of 16 (128 for the "blockwise" recipe). `state`/`slot`:
+    the shared Fp8State and the first of this layer's three slots (convert_to_fp8 sets them); without them
+    the layer makes a private state from `recipe`. Call `fp8_state.step()` after each optimizer step.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
                  recipe: Fp8Recipe | str = "delayed", state: Fp8State | None = None, slot: int | None = None):
-        if in_features % 16 or out_features % 16:
-            raise ValueError(f"Fp8Linear: in_features={in_features}, out_features={out_features}; "
-                             "both must be multiples of 16 for FP8 GEMMs")
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if (state is None) != (slot is None):
             raise ValueError("Fp8Linear: give both state and slot, or neither")
+        recipe = state.recipe if state is not None else as_recipe(recipe)
+        k = _multiple(recipe)
+        if in_features % k or out_features % k:
+            raise ValueError(f"Fp8Linear: in_features={in_features}, out_features={out_features}; both must be "
+                             f"multiples of {k} for the FP8 GEMMs of recipe {recipe.scaling!r}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if state is None:
             dev = self.weight.device if self.weight.device.type != "meta" else "cpu"
             state, slot = Fp8State.for_linears(recipe, ["linear"], device=dev), 0
         elif not 0 <= slot <= state.num_tensors - 3:
             raise ValueError(f"Fp8Linear: slot={slot} does not fit a state of {state.num_tensors} tensors")
         self.fp8_state, self.fp8_slot = state, slot
-        self.__dict__["_w_cache"] = None  # plain attribute writes: nn.Module.__setattr__ costs host time
+        # Plain attribute writes: nn.Module.__setattr__ costs host time on every call.
+        blockwise = recipe.scaling == "blockwise"
+        self.__dict__.update(_w_cache=None, _b_cache=None, _row_multiple=BLOCK if blockwise else 16,
+                             _cast=_cast_blockwise if blockwise else _cast_per_tensor,
+                             _gemm=_gemm_blockwise if blockwise else _gemm_per_tensor,
+                             _fast_forward=not blockwise)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, state: Fp8State | None = None, slot: int | None = None,
@@ -154,18 +215,32 @@ class Fp8Linear(nn.Linear):
         return new
 
     def invalidate(self) -> None:
-        """Drop the cached FP8 weight (Fp8State.step() and in-place weight updates already do)."""
+        """Drop the cached FP8 weight and cast bias (Fp8State.step() and in-place weight updates already do;
+        a CUDA graph capture must, since replays bump no host counter)."""
         self.__dict__["_w_cache"] = None
+        self.__dict__["_b_cache"] = None
 
     def _weight_fp8(self, need_t: bool):
-        w, state = self.weight, self.fp8_state
-        key = (w._version, w.data_ptr(), state.generation)
+        """(W8, its scales, W8t or None, its scales or None), cast once per optimizer step."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), self.fp8_state.generation)
         c = self._w_cache
-        if c is not None and c[0] == key and (c[2] is not None or not need_t):
-            return c[1], c[2], c[3]
-        w8, w8t, w_inv = _cast(state, self.fp8_slot + 1, w.detach(), rowwise=True, transpose=need_t)
-        self.__dict__["_w_cache"] = (key, w8, w8t, w_inv)
-        return w8, w8t, w_inv
+        if c is not None and c[0] == key and (c[1][2] is not None or not need_t):
+            return c[1]
+        q = self._cast(self.fp8_state, self.fp8_slot + 1, w, True, need_t)
+        self.__dict__["_w_cache"] = (key, q)
+        return q
+
+    def _bias_as(self, dtype):
+        """The bias in the GEMM's output dtype (cast once per optimizer step), or None."""
+        b = self.bias
+        if b is None or b.dtype == dtype:
+            return b
+        key = (b._version, b.data_ptr(), self.fp8_state.generation, dtype)
+        c = self._b_cache
+        if c is None or c[0] != key:
+            c = self.__dict__["_b_cache"] = (key, b.detach().to(dtype))
+        return c[1]
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +250,8 @@ class Fp8Linear(nn.Linear):
             raise TypeError(f"Fp8Linear: input dtype {x.dtype}; expected bf16, fp16 or fp32")
         if x.device != self.weight.device:
             raise ValueError(f"Fp8Linear: input on {x.device}, weight on {self.weight.device}")
-        self.fp8_state.to(x.device)
+        if x.device != self.fp8_state.device:
+            self.fp8_state.to(x.device)
         # Under autocast the output takes the autocast dtype; nothing inside is on autocast's lists.
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -197,9 +273,10 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str = "delayed",
     """Swap every nn.Linear of `model` (in place) for an Fp8Linear sharing one Fp8State, which is returned.
 
     skip(name) -> True keeps the layer of that qualified name (e.g. "lm_head") in high precision; layers
-    whose dims are not multiples of 16, or whose weight is not bf16/fp16/fp32, are kept automatically.
-    Subclasses of nn.Linear are swapped too (their forward must be x W^T + b); nn.MultiheadAttention's
-    out_proj is not. `group`: the process group whose ranks share amaxes (default: the world).
+    whose dims are not multiples of 16 (128 for "blockwise"), or whose weight is not bf16/fp16/fp32, are
+    kept automatically. Subclasses of nn.Linear are swapped too (their forward must be x W^T + b);
+    nn.MultiheadAttention's out_proj is not. `group`: the process group whose ranks share amaxes (default:
+    the world).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8: model is a {type(model).__name__}; expected an nn.Module")
@@ -212,7 +289,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str = "delayed",
     for pname, parent in model.named_modules():
         for cname, child in parent.named_children():
             full = f"{pname}.{cname}" if pname else cname
-            if not _swappable(child) or not fp8_compatible(child) or (skip is not None and skip(full)):
+            if not _swappable(child) or not fp8_compatible(child, recipe) or (skip is not None and skip(full)):
                 continue
             targets.append((parent, cname, child))
             order.setdefault(id(child), (len(order), full))

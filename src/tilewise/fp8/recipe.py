@@ -5,6 +5,9 @@ has the range gradients want. A recipe picks the formats and how per-tensor scal
 - "delayed": scale = fp8_max / amax / 2^margin, amax taken from a history of the last `history_len`
   steps ("max" of it, or the "most_recent" entry); the cast uses last step's scale, so it is one pass.
 - "current": scale from this tensor's own amax, computed just before the cast (one extra read).
+- "blockwise": a scale per 1x128 segment of every GEMM operand along its contraction dimension, from the
+  segment's own amax in the same pass as the cast (no history); the amax history is kept for logging and
+  for counting non-finite steps. See tilewise.fp8.linear for the layouts and how it relates to DeepSeek-V3.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from ..ops.fp8_cast import FP8_MAX
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
-SCALINGS = ("delayed", "current")
+SCALINGS = ("delayed", "current", "blockwise")
 FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE = ("max", "most_recent")
 
@@ -33,7 +36,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 class Fp8Recipe:
     """How Fp8Linear scales its tensors.
 
-    scaling: "delayed" or "current". formats: "hybrid" (E4M3 activations and weights, E5M2 gradients) or
+    scaling: "delayed", "current" or "blockwise". formats: "hybrid" (E4M3 activations and weights, E5M2 gradients) or
     "e4m3" (everything E4M3). history_len, amax_compute: the delayed amax history and how a scale is read
     from it (current scaling keeps the history too, for the fallback scale and for logging). margin: scales
     are divided by 2^margin, headroom against growth between steps.
@@ -46,8 +49,7 @@ class Fp8Recipe:
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
-            hint = " (block scaling is not implemented)" if self.scaling == "blockwise" else ""
-            raise ValueError(f"Fp8Recipe: scaling={self.scaling!r}; expected one of {SCALINGS}{hint}")
+            raise ValueError(f"Fp8Recipe: scaling={self.scaling!r}; expected one of {SCALINGS}")
         if self.formats not in FORMATS:
             raise ValueError(f"Fp8Recipe: formats={self.formats!r}; expected one of {FORMATS}")
         if self.amax_compute not in AMAX_COMPUTE:
@@ -69,7 +71,8 @@ class Fp8Recipe:
 
 
 def as_recipe(recipe) -> Fp8Recipe:
-    """An Fp8Recipe from a recipe or from a config string ("delayed" or "current", hybrid formats)."""
+    """An Fp8Recipe from a recipe or from a config string ("delayed", "current" or "blockwise"; hybrid
+    formats)."""
     if isinstance(recipe, Fp8Recipe):
         return recipe
     if isinstance(recipe, str):

@@ -52,6 +52,7 @@ class Fp8State:
         # Host-side flags, never read from tensor values: `warm` turns on delayed scaling once a step()
         # has filled the history (until then casts use current scaling); `generation` invalidates
         # the per-step FP8 weight caches.
+        self.current = self.recipe.scaling == "current"
         self.warm = False
         self.generation = 0
         self._views = {}
@@ -90,11 +91,12 @@ class Fp8State:
         return self
 
     def views(self, slot: int):
-        """(scale, scale_inv, amax of the step in progress) of one slot: one-element views, made once."""
+        """(scale, scale_inv, int32 view of the amax of the step in progress) of one slot: one-element views,
+        made once (a view costs about as much host time as a kernel launch)."""
         v = self._views.get(slot)
         if v is None:
             v = self._views[slot] = (self.scale[slot:slot + 1], self.scale_inv[slot:slot + 1],
-                                     self.amax_history[0, slot:slot + 1])
+                                     self.amax_history[0, slot:slot + 1].view(torch.int32))
         return v
 
     # -- the per-step update --------------------------------------------------------------------------

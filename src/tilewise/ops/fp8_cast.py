@@ -141,10 +141,10 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
         amax_bits = tl.max(parts.to(tl.int32, bitcast=True), axis=0)
         amax = amax_bits.to(tl.float32, bitcast=True)
         fallback = tl.load(scale_ptr)
-        fresh = tl.math.div_rn(fp8_max, amax) * inv_margin
         # finite and positive (NaN fails every comparison); 3.4028234663852886e38 is float32's max
-        ok = (amax > 0.0) & (amax <= 3.4028234663852886e38) & (fresh <= 3.4028234663852886e38)
-        scale = tl.where(ok, fresh, fallback)
+        ok = (amax > 0.0) & (amax <= 3.4028234663852886e38)
+        fresh = tl.math.div_rn(fp8_max, tl.where(ok, amax, fp8_max)) * inv_margin
+        scale = tl.where(ok & (fresh <= 3.4028234663852886e38), fresh, fallback)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scratch_ptr, scale)
             tl.store(scratch_ptr + SCALE_INV_AT, tl.math.div_rn(1.0, scale))
@@ -172,9 +172,9 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
 def _block_scales(amax, fp8_max):
     """scale = fp8_max / amax per block; 1 where amax is 0, inf or NaN or the scale overflows (a zero
     block stays zero, inf saturates as in the per-tensor casts, NaN stays NaN)."""
-    fresh = tl.math.div_rn(fp8_max, amax)
-    ok = (amax > 0.0) & (amax <= 3.4028234663852886e38) & (fresh <= 3.4028234663852886e38)
-    return tl.where(ok, fresh, 1.0)
+    ok = (amax > 0.0) & (amax <= 3.4028234663852886e38)
+    fresh = tl.math.div_rn(fp8_max, tl.where(ok, amax, fp8_max))
+    return tl.where(ok & (fresh <= 3.4028234663852886e38), fresh, 1.0)
 
 
 @triton.jit
