@@ -896,6 +896,26 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     return out, lse
 
 
+def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total):
+    """(lse2, delta) of the backward: lse * log2(e) (+inf for rows that see no key) and rowsum(dO * O) - dLSE,
+    both in the LSE's layout. dout has a unit last stride."""
+    packed = cu is not None
+    head_dim = out.shape[-1]
+    lse = lse.contiguous()
+    lse2 = _new(lse.shape, torch.float32, out.device)
+    delta = _new(lse.shape, torch.float32, out.device)
+    has_dlse = dlse is not None
+    prep_rows = 64
+    dlse_arg = dlse.contiguous() if has_dlse else lse
+    for b0 in range(0, batch, _MAX_GRID_YZ):
+        nb = min(batch - b0, _MAX_GRID_YZ)
+        _bwd_prep[(_cdiv(max_q, prep_rows), heads, nb)](
+            out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed),
+            *_lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0, HEAD_DIM=head_dim,
+            BLOCK_D=max(16, _pow2(head_dim)), VARLEN=packed, HAS_DLSE=has_dlse, BLOCK_M=prep_rows)
+    return lse2, delta
+
+
 def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
     """dQ, dK, dV (contiguous, in the input dtype)."""
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
@@ -910,20 +930,9 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     total = q.shape[0] if packed else 0
     cu = cu_seqlens.to(q.device) if packed else None
     lse_strides = _lse_strides(heads, seqlen_q, total, packed)
-    lse = lse.contiguous()
-    lse2 = _new(lse.shape, torch.float32, q.device)
-    delta = _new(lse.shape, torch.float32, q.device)
-    has_dlse = dlse is not None
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
-    prep_rows = 64
-    dlse_arg = dlse.contiguous() if has_dlse else lse
-    for b0 in range(0, batch, _MAX_GRID_YZ):
-        nb = min(batch - b0, _MAX_GRID_YZ)
-        _bwd_prep[(_cdiv(max_q, prep_rows), heads, nb)](
-            out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed),
-            *lse_strides, seqlen_q, b0, HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], VARLEN=packed,
-            HAS_DLSE=has_dlse, BLOCK_M=prep_rows)
+    lse2, delta = _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
 
     tma = _tma_mode(q.device)
     if tma != "off" and not _tma_layout_ok(dout, packed):

@@ -1,0 +1,1022 @@
+"""FP8 flash attention, forward and backward: QK^T, PV and the four backward GEMMs on E4M3 tensor cores.
+
+fp8_flash_attention(q, k, v, ...) has flash_attention's interface (bf16/fp16/fp32 inputs and outputs, causal,
+windows, GQA, packed varlen, return_lse) plus `rotate`. It is a sibling rather than a flag of
+flash_attention because its numbers are different (about 5% relative error against 0.4% for bf16), so a
+caller opts in by name, and because it has its own kernels, tuning keys and custom ops.
+
+Scales (an E4M3 value has 3 mantissa bits: relative rounding error up to 2^-4 whatever the scale, so a scale
+exists to keep values inside [2^-9, 448], not to add precision):
+- Q and dO: one scale per row (token, head), amax of the row -> 448. A row scale of the left operand of
+  S = Q K^T or dP = dO V^T is a row scale of the product, folded into the FMA that already scales each
+  score, so it is free; and it depends on the row alone, so the forward (which quantizes its Q tile in
+  registers) and the backward (which quantizes Q in a pass) get the same bits whatever their tiles.
+- K and V: one scale per block of KV_BLOCK (128) rows of one head of one sequence. Every key tile lies in
+  one block, so its scale is a scalar per tile: multiplied into the row factor of S; for V, the running
+  output is kept in units of the current block's scale and rescaled with the softmax correction.
+- P = exp(S - running max) lies in [0, 1]: cast as P * 448 (an unscaled cast would flush p < 2^-9 to 0),
+  the 1/448 folded into the output.
+- Backward GEMM operands dS, P^T diag(dO scales): per output row, against a running row maximum (the
+  accumulator is rescaled when it grows, as in online softmax), so no value overflows and tiles with small
+  entries keep their precision. Measured on the float64 emulation at N=4096, d=128 (Gaussian): a fixed
+  448 scale for P^T gave dV 5.2% error, the running row scale 5.0%; P is normalized in the backward and
+  entries near 1/N become E4M3 subnormals under a fixed scale as N grows.
+- K and V are quantized by one extra pass per call (reads them once in bf16, writes FP8, V transposed):
+  FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles inside the
+  loop would redo it once per query block on the CUDA cores the softmax already saturates. Q is quantized
+  in the forward kernel itself. The backward's pass writes Q, K, dO (and transposed copies for the dV, dK,
+  dQ GEMMs) and V in FP8.
+
+Backward (recomputed from the saved LSE, as the bf16 kernel): S and dP are recomputed on FP8 from the same
+quantized Q, K (bitwise the forward's) - recomputing S in bf16 against the FP8 forward's LSE gave P rows
+that no longer sum to 1 (gradients off by 1e5x on outlier inputs) - and dV = P^T dO, dK = dS^T Q,
+dQ = dS K run on FP8 too. delta = rowsum(dO * O), dS = P (dP - delta) and every accumulator stay fp32.
+Gradient error against float64 (emulation, Gaussian N=4096 d=128): dQ 6.3%, dK 6.2%, dV 5.0% with every
+GEMM on FP8, against 5.4/5.3/3.8% with the three gradient GEMMs in bf16 (and 0.4% for the bf16 kernel);
+E5M2 for dS/dO was worse than E4M3 everywhere (7.0% vs 5.4%). So all GEMMs run on FP8, E4M3 throughout.
+Accumulation: fp8 wgmma adds into its accumulator with reduced precision; over a loop that adds ~1e-4
+relative error, far below the 3.6% of one E4M3 rounding, so acc stays in the tensor core.
+
+rotate=True multiplies Q and K per head by H diag(signs) (a Sylvester-Hadamard matrix with fixed random
+signs; head_dim a power of two >= 32) before quantizing: QK^T is unchanged, and a few large channels are
+spread over all of them, which is what makes FP8 accurate on outlier inputs. Emulation, N=4096 d=128,
+4 channels of Q/K/V scaled x20: output error 39% without rotation (per-tensor scales: 39% too: scales do
+not help, the rounding of the large channels does the damage), 13% with it; Gaussian inputs 5.5% either
+way. dQ and dK are rotated back in the kernel epilogue. The rotation is applied by a pass over Q.
+
+Bytes, forward: the K/V pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q
+once and K, V at 1 byte per element once per query block (mostly from L2), writes O and the LSE.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import attention as attn
+from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_range, _load_tile, _query_range, _seq_bounds,
+                        _store_tile)
+from .dispatch import use_triton
+
+FP8_MAX = 448.0  # the largest finite E4M3 value
+_INTERPRET = attn._INTERPRET
+# Rows of one head of one sequence that share a K/V scale. Every key tile (BLOCK_N divides it) lies in one
+# block. Smaller in the interpreter, so tiny test sequences span several blocks.
+KV_BLOCK = 32 if _INTERPRET else 128
+_ROWS_PER_QUANT_PROGRAM = 32 if _INTERPRET else 64  # rows a program of the row-scaled quantization pass takes
+_TINY = 1e-30  # an amax at or below this is treated as 0 (448 / amax would overflow)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton helpers
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_e4m3(x):
+    """x (float32) rounded to nearest even onto the E4M3 grid and saturated at 448, still float32. The
+    interpreter's float32 -> fp8 conversion truncates instead of rounding (7.97 becomes 4), so there the
+    values are put on the grid first; grid values convert exactly. The GPU's conversion rounds itself."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    expo = tl.maximum((bits >> 23) - 127, -6)  # below 2^-6 (subnormals) the spacing stays 2^-9
+    spacing = ((expo - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    shift = spacing * 12582912.0  # 1.5 * 2^23 spacings: a + shift keeps whole spacings, rounded to even
+    r = (a + shift) - shift
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _e4m3(x, EMU: tl.constexpr):
+    """float32 x, |x| <= 448, as tl.float8e4nv (round to nearest even)."""
+    if EMU:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _scales(amax):
+    """(multiplier onto the FP8 range, scale back to real units) for an amax: amax maps to 448; an all-zero
+    row or block gets scale 1 (never 0: scales divide each other below)."""
+    live = amax > 1e-30
+    return tl.where(live, 448.0 / tl.maximum(amax, 1e-30), 0.0), tl.where(live, amax / 448.0, 1.0)
+
+
+@triton.jit
+def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                   EMU: tl.constexpr):
+    """(x8, scale) of a (rows, BLOCK_D) tile: one scale per row (ROWWISE) or one for the tile, after the
+    optional rotation x @ R (R: +-1 entries in bf16, exact; fp32 accumulation). The forward's inline Q and
+    the quantization pass run this same code, so they produce the same bits."""
+    if ROTATE:
+        r = tl.load(ROT + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+        xf = _dot(_cast(x.to(tl.float32), tl.bfloat16, EMU), r, None, "tf32", EMU)
+    else:
+        xf = x.to(tl.float32)
+    if ROWWISE:
+        inv, scale = _scales(tl.max(tl.abs(xf), 1))
+        x8 = _e4m3(xf * inv[:, None], EMU)
+    else:
+        inv, scale = _scales(tl.max(tl.max(tl.abs(xf), 1), 0))
+        x8 = _e4m3(xf * inv, EMU)
+    return x8, scale
+
+
+@triton.jit
+def _load_tile_t(ptrs, cols, n_cols, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CHECK_COLS: tl.constexpr):
+    """A (BLOCK_D, cols) tile of a transposed (head_dim, tokens) copy; cols >= n_cols, rows >= HEAD_DIM
+    read as 0."""
+    if CHECK_COLS:
+        x = tl.load(ptrs, mask=(offs_d[:, None] < HEAD_DIM) & (cols[None, :] < n_cols), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
+    """acc += (x * x_mult) @ y8 on FP8 tensor cores. x is quantized per row against c, the running row
+    maximum of |x * x_mult| (amax: this tile's), and acc is kept in units of c / 448: rescaled when c grows,
+    as online softmax rescales its output. Returns (acc, c)."""
+    c_new = tl.maximum(c, amax)
+    live = c_new > 1e-30
+    c_safe = tl.maximum(c_new, 1e-30)
+    inv = tl.where(live, 448.0 / c_safe, 0.0)
+    acc = acc * tl.where(live, c / c_safe, 1.0)[:, None]
+    acc = tl.dot(_e4m3(x * (inv * x_mult)[:, None], EMU), y8, acc)
+    return acc, c_new
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantization pass
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_quantize(X, X8, X8T, SC, ROT, CU,
+                  sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
+                  ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, VARLEN: tl.constexpr,
+                  EMU: tl.constexpr):
+    """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
+    copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens) and the
+    scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, sl, _ = _seq_bounds(CU, b, seqlen, seqlen, VARLEN)
+    r0 = tl.program_id(0) * ROWS
+    if r0 >= sl:
+        return
+    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
+    rows = r0 + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    x = _load_tile(X + b64 * sxb + start64 * sxs + h64 * sxh + rows.to(tl.int64)[:, None] * sxs + offs_d[None, :],
+                   rows, sl, offs_d, HEAD_DIM, BLOCK_D, True)
+    x8, scale = _quantize_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
+    if ROWWISE:
+        tl.store(SC + b64 * scb + h64 * sch + start64 + rows, scale, mask=rows < sl)
+    else:
+        tl.store(SC + b64 * scb + h64 * sch + r0 // ROWS, scale)
+    if WRITE_ROWS:
+        ptrs = X8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :]
+        _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
+    if WRITE_T:
+        ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + start64 + rows[None, :]
+        tl.store(ptrs, tl.trans(x8), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k, desc_v,
+                    k_row, kv_col, vt_row, vt_col, sks, std, qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right,
+                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
+                    USE_TMA: tl.constexpr, EMU: tl.constexpr):
+    """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
+    a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
+    of the current V block's scale vs_i / 448."""
+    k_offs = offs_n[:, None] * sks + offs_d[None, :]
+    vt_offs = offs_d[:, None] * std + offs_n[None, :]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        kpos = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        blk = start_n // KV_BLOCK
+        ks = tl.load(KS + s_base + blk)
+        vs = tl.load(VS + s_base + blk)
+        if USE_TMA:
+            k8 = desc_k.load([k_row + start_n, kv_col])
+        else:
+            k8 = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q8, tl.trans(k8))
+        c = qc * ks
+        if MASKED:
+            keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+            m_use = m_new
+        p = tl.math.exp2(s * c[:, None] - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * (alpha * (vs_i / vs))[:, None]
+        if USE_TMA:
+            vt8 = desc_v.load([vt_row, vt_col + start_n])
+        else:
+            vt8 = _load_tile_t(vt_base + start + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = tl.dot(_e4m3(p * 448.0, EMU), tl.trans(vt8), acc)
+        m_i = m_new
+        vs_i = vs
+    return acc, l_i, m_i, vs_i
+
+
+@triton.jit
+def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, desc_k, desc_v,
+             sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
+             seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr, KV_BLOCK: tl.constexpr,
+             EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
+    quantized here (Q_PRE: already quantized by the pass, with its row scales QS: the rotated case)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    hk = h // group
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    if Q_PRE:
+        q8 = _load_tile(Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :],
+                        offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+        qs = tl.load(QS + b64 * slb + h64 * slh + start64 + offs_m, mask=offs_m < sq, other=1.0)
+    else:
+        q = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
+                       offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+        q8, qs = _quantize_tile(q, Q, offs_d, True, False, BLOCK_D, EMU)
+    qc = qs * qk_scale
+    off = sk - sq
+    qpos = offs_m + off
+    first = m0 + off
+    last = tl.minimum(m0 + BLOCK_M, sq) - 1 + off
+    lo, inner_lo, inner_hi, hi = _key_range(first, last, sk, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    vs_i = qk_scale * 0.0 + 1.0
+    k_base = K8 + b64 * skb + start64 * sks + hk64 * skh
+    vt_base = V8T + b64 * stb + hk64 * sth + start64
+    s_base = b64 * ssb + hk64 * ssh
+    k_row = b * rows_k + start
+    kv_col = hk * HEAD_DIM
+    vt_row = (b * t_heads + hk) * HEAD_DIM
+    acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
+                                          desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n, offs_d,
+                                          inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
+                                          HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    if HAS_LEFT:
+        acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
+                                              desc_k, desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n,
+                                              offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
+                                              HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
+                                          desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n, offs_d,
+                                          inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
+                                          HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+
+    empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * ((vs_i / 448.0) / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + rows * sos + offs_d[None, :]
+    _store_tile(o_ptrs, _cast(out, O.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
+    tl.store(LSE + b64 * slb + h64 * slh + start64 + offs_m, lse, mask=offs_m < sq)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                   desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, q_col, qt_row, qt_col,
+                   s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right,
+                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
+    """One query block's share of dK, dV in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
+    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q. The query rows' scales (Q, dO)
+    lie along the reduction of the last two, so they multiply the left operand before its quantization."""
+    rows = start_m + offs_m
+    if USE_TMA:
+        q8 = desc_q.load([q_row + start_m, q_col])
+        do8 = desc_do.load([q_row + start_m, q_col])
+        q8t = desc_qt.load([qt_row, qt_col + start_m])
+        do8t = desc_dot.load([qt_row, qt_col + start_m])
+    else:
+        sm64 = tl.cast(start_m, tl.int64)
+        r_offs = (sm64 + offs_m)[:, None] * s8s + offs_d[None, :]
+        t_offs = offs_d.to(tl.int64)[:, None] * std + sm64 + offs_m[None, :]
+        q8 = _load_tile(Q8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do8 = _load_tile(DO8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q8t = _load_tile_t(Q8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do8t = _load_tile_t(DO8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED:
+        inside = rows < seqlen_q
+        qs = tl.load(QS + l_off + rows, mask=inside, other=1.0)
+        dos = tl.load(DOS + l_off + rows, mask=inside, other=1.0)
+        lse2 = tl.load(LSE2 + l_off + rows, mask=inside, other=float("inf"))
+        delta = tl.load(DELTA + l_off + rows, mask=inside, other=0.0)
+    else:
+        qs = tl.load(QS + l_off + rows)
+        dos = tl.load(DOS + l_off + rows)
+        lse2 = tl.load(LSE2 + l_off + rows)
+        delta = tl.load(DELTA + l_off + rows)
+    s_t = tl.dot(k8, tl.trans(q8))
+    p_t = tl.math.exp2(s_t * (qs * kc)[None, :] - lse2[None, :])
+    if MASKED:
+        keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+        p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
+    a = p_t * dos[None, :]
+    dv, cv = _acc_rows(dv, cv, a, 1.0, tl.max(a, 1), tl.trans(do8t), EMU)
+    dp_t = tl.dot(v8, tl.trans(do8))
+    g = p_t * (dp_t * (dos * vs)[None, :] - delta[None, :]) * qs[None, :]  # dS^T diag(Q row scales)
+    dk, ck = _acc_rows(dk, ck, g, 1.0, tl.max(tl.abs(g), 1), tl.trans(q8t), EMU)
+    return dk, dv, ck, cv
+
+
+@triton.jit
+def _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                     desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row, qt_col, group,
+                     s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     USE_TMA: tl.constexpr, EMU: tl.constexpr):
+    """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each head of
+    its group: one flat loop over (head, block) pairs, as in the bf16 kernel."""
+    if GQA:
+        n_blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        for it in tl.range(0, n_blocks * group):
+            g = it // n_blocks
+            start_m = lo + (it - g * n_blocks) * BLOCK_M
+            g64 = g.to(tl.int64)
+            dk, dv, ck, cv = _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+                                            DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off + g64 * s8h,
+                                            qt_off + g64 * sth, l_off + g64 * slh, q_row, (h0 + g) * HEAD_DIM,
+                                            qt_row + g * HEAD_DIM, qt_col, s8s, std, start_m, kpos, offs_m,
+                                            offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
+                                            HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, EMU)
+    else:
+        for start_m in tl.range(lo, hi, BLOCK_M):
+            dk, dv, ck, cv = _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+                                            DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
+                                            q_row, h0 * HEAD_DIM, qt_row, qt_col, s8s, std, start_m, kpos, offs_m,
+                                            offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
+                                            HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, EMU)
+    return dk, dv, ck, cv
+
+
+@triton.jit
+def _unrotate(x, ROT, offs_d, BLOCK_D: tl.constexpr):
+    """x R^T for the +-1 matrix R the pass rotated Q and K by (tf32 dot: 1e-3 relative, far below FP8's)."""
+    rt = tl.trans(tl.load(ROT + offs_d[:, None] * BLOCK_D + offs_d[None, :]).to(tl.float32))
+    return tl.dot(x, rt, input_precision="tf32")
+
+
+@triton.jit
+def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DELTA, ROT, CU,
+                  desc_q, desc_qt, desc_do, desc_dot,
+                  s8qb, s8qs, s8qh, stb, sth, std, s8kb, s8ks, s8kh, ssb, ssh, sgb, sgs, sgh, slb, slh,
+                  seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr, ROTATE: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
+    layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
+    h0 = hk * group
+    b64, hk64, h64, start64 = b.to(tl.int64), hk.to(tl.int64), h0.to(tl.int64), start.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_offs = b64 * s8kb + start64 * s8ks + hk64 * s8kh + offs_n.to(tl.int64)[:, None] * s8ks + offs_d[None, :]
+    k8 = _load_tile(K8 + kv_offs, offs_n, sk, offs_d, HEAD_DIM, BLOCK_D, True)
+    v8 = _load_tile(V8 + kv_offs, offs_n, sk, offs_d, HEAD_DIM, BLOCK_D, True)
+    blk = b64 * ssb + hk64 * ssh + n0 // KV_BLOCK
+    kc = tl.load(KS + blk) * qk_scale
+    vs = tl.load(VS + blk)
+    off = sk - sq
+    lo, inner_lo, inner_hi, hi = _query_range(n0, tl.minimum(n0 + BLOCK_N, sk) - 1, sq, off, left, right,
+                                              HAS_LEFT, HAS_RIGHT, BLOCK_M)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    ck = tl.zeros([BLOCK_N], tl.float32)
+    cv = tl.zeros([BLOCK_N], tl.float32)
+    q_off = b64 * s8qb + start64 * s8qs + h64 * s8qh
+    qt_off = b64 * stb + h64 * sth + start64
+    l_off = b64 * slb + h64 * slh + start64
+    q_row = b * rows_q + start
+    qt_row = (b * t_heads + h0) * HEAD_DIM
+    dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
+                                      start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
+    if HAS_RIGHT:
+        dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+                                          DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
+                                          h0, qt_row, start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
+                                          offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
+                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
+    dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
+                                      start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
+    dv = dv * (cv * (1.0 / 448.0))[:, None]
+    dk = dk * (ck * (grad_scale / 448.0))[:, None]
+    if ROTATE:
+        dk = _unrotate(dk, ROT, offs_d, BLOCK_D)
+    g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
+    _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
+    _store_tile(DV + g_off, _cast(dv, DV.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
+
+
+@triton.jit
+def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
+                   k_off, kt_off, s_base, k_row, k_col, kt_row, kt_col, s8s, std, qpos, offs_n, offs_d, lo, hi,
+                   seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
+                   USE_TMA: tl.constexpr, EMU: tl.constexpr):
+    """dQ of one query block over key blocks [lo, hi): dQ += dS K with the tile's K scale folded into dS's
+    row quantization."""
+    r_offs = offs_n[:, None] * s8s + offs_d[None, :]
+    t_offs = offs_d.to(tl.int64)[:, None] * std + offs_n[None, :]
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        kpos = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        blk = start_n // KV_BLOCK
+        ks = tl.load(KS + s_base + blk)
+        vs = tl.load(VS + s_base + blk)
+        if USE_TMA:
+            k8 = desc_k.load([k_row + start_n, k_col])
+            v8 = desc_v.load([k_row + start_n, k_col])
+            k8t = desc_kt.load([kt_row, kt_col + start_n])
+        else:
+            k8 = _load_tile(K8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            v8 = _load_tile(V8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            k8t = _load_tile_t(K8T + kt_off + start + t_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q8, tl.trans(k8))
+        p = tl.math.exp2(s * (qc * ks)[:, None] - lse2[:, None])
+        if MASKED:
+            keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do8, tl.trans(v8))
+        ds = p * (dp * (dos * vs)[:, None] - delta[:, None])
+        dq, cq = _acc_rows(dq, cq, ds, ks, tl.max(tl.abs(ds), 1) * ks, tl.trans(k8t), EMU)
+    return dq, cq
+
+
+@triton.jit
+def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU, desc_k, desc_kt, desc_v,
+                s8qb, s8qs, s8qh, s8kb, s8ks, s8kh, stb, sth, std, ssb, ssh, sgb, sgs, sgh, slb, slh,
+                seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, grad_scale, left, right, b0,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                VARLEN: tl.constexpr, USE_TMA: tl.constexpr, ROTATE: tl.constexpr, KV_BLOCK: tl.constexpr,
+                EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    hk = h // group
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
+    b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_offs = b64 * s8qb + start64 * s8qs + h64 * s8qh + offs_m.to(tl.int64)[:, None] * s8qs + offs_d[None, :]
+    q8 = _load_tile(Q8 + q_offs, offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    do8 = _load_tile(DO8 + q_offs, offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = b64 * slb + h64 * slh + start64 + offs_m
+    inside = offs_m < sq
+    qc = tl.load(QS + row, mask=inside, other=1.0) * qk_scale
+    dos = tl.load(DOS + row, mask=inside, other=1.0)
+    lse2 = tl.load(LSE2 + row, mask=inside, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=inside, other=0.0)
+    off = sk - sq
+    qpos = offs_m + off
+    first = m0 + off
+    last = tl.minimum(m0 + BLOCK_M, sq) - 1 + off
+    lo, inner_lo, inner_hi, hi = _key_range(first, last, sk, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+    k_off = b64 * s8kb + start64 * s8ks + hk64 * s8kh
+    kt_off = b64 * stb + hk64 * sth + start64
+    s_base = b64 * ssb + hk64 * ssh
+    k_row = b * rows_k + start
+    k_col = hk * HEAD_DIM
+    kt_row = (b * t_heads + hk) * HEAD_DIM
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    cq = tl.zeros([BLOCK_M], tl.float32)
+    dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n, offs_d,
+                            inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                            BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    if HAS_LEFT:
+        dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt,
+                                desc_v, k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n,
+                                offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                                BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n, offs_d,
+                            inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                            BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    dq = dq * (cq * (grad_scale / 448.0))[:, None]
+    if ROTATE:
+        dq = _unrotate(dq, ROT, offs_d, BLOCK_D)
+    g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :]
+    _store_tile(g_ptrs, _cast(dq, DQ.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head_dim class, as attention.CONFIGS (a fifth
+# element "tma"/"ptr" keeps an entry to one load path). FP8 dots need every reduction dimension >= 32, so
+# BLOCK_N >= 32 (PV), BLOCK_M >= 32 in dK/dV (P^T dO, dS^T Q) and BLOCK_N >= 32 in dQ (dS K); BLOCK_N must
+# divide KV_BLOCK (128). FP8 tiles take half the shared memory of bf16 ones, so the forward can afford
+# 128 x 128 score tiles with 3 stages. These are starting points: the H200 run times them (a config that
+# does not compile or fit is skipped and recorded) and bench/attention.py --fp8-only --sweep widens them.
+FP8_CONFIGS = {
+    "fp8_fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+                128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3),
+                      (128, 128, 8, 4, "tma")],
+                256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]},
+    "fp8_dkdv": {64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (128, 128, 8, 2)],
+                 128: [(32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 4), (32, 128, 8, 3),
+                       (64, 64, 4, 3)],
+                 256: [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2)]},
+    "fp8_dq": {64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)],
+               128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
+               256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)]},
+}
+_INTERPRET_CONFIG = {"fp8_fwd": (32, 32, 4, 1), "fp8_dkdv": (32, 32, 4, 1), "fp8_dq": (32, 32, 4, 1)}
+_ENV = "TILEWISE_FP8_ATTN_CONFIGS"  # e.g. 'fp8_fwd=128,128,8,3/128,64,8,3;fp8_dq=128,64,8,3'
+
+_FWD8 = attn._Kernel("fp8_fwd", _fp8_fwd, FP8_CONFIGS, _INTERPRET_CONFIG["fp8_fwd"], _ENV)
+_DKDV8 = attn._Kernel("fp8_dkdv", _fp8_bwd_dkdv, FP8_CONFIGS, _INTERPRET_CONFIG["fp8_dkdv"], _ENV)
+_DQ8 = attn._Kernel("fp8_dq", _fp8_bwd_dq, FP8_CONFIGS, _INTERPRET_CONFIG["fp8_dq"], _ENV)
+KERNELS = (_FWD8, _DKDV8, _DQ8)
+
+
+def set_candidates(name, configs, head_dim=None):
+    """Replace FP8 kernel `name`'s candidates for one head_dim class or all, and forget the choices made."""
+    for c in [head_dim] if head_dim is not None else list(FP8_CONFIGS[name]):
+        FP8_CONFIGS[name][c] = [tuple(cfg) for cfg in configs]
+    reset_tuning()
+
+
+def reset_tuning():
+    attn.reset_tuning(KERNELS)
+
+
+def tuning_report():
+    """{kernel: [{"key", "chosen", "ms"}]} of the FP8 kernels tuned in this process."""
+    return attn.tuning_report(KERNELS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_new, _cdiv, _pow2, _seq_strides = attn._new, attn._cdiv, attn._pow2, attn._seq_strides
+_FP8 = torch.float8_e4m3fn
+
+
+def _block_d(head_dim):
+    return max(32, _pow2(head_dim))
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(head_dim, device) -> torch.Tensor:
+    """H diag(signs) as a (head_dim, head_dim) bf16 matrix of +-1: Sylvester's Hadamard matrix H with the
+    columns' signs drawn once from a fixed seed. R R^T = head_dim * I, so (Q R)(K R)^T = head_dim * Q K^T."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(20240611 + head_dim)) * 2 - 1
+    return (h * signs[None, :]).to(device=device, dtype=torch.bfloat16)
+
+
+def _t_shape(x, packed):
+    """(batch, heads, head_dim, tokens padded to 16) or packed (heads, head_dim, padded tokens): the
+    transposed copy's shape; 16-byte rows, so TMA can tile it."""
+    n = x.shape[0] if packed else x.shape[1]
+    n_pad = _cdiv(max(n, 1), 16) * 16
+    return ((x.shape[-2], x.shape[-1], n_pad) if packed else (x.shape[0], x.shape[-2], x.shape[-1], n_pad)), n
+
+
+def _t_strides(t, packed):
+    """(batch, head, head_dim row) strides of a transposed copy (none for the batch when packed)."""
+    return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _quantize(x, cu, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False):
+    """E4M3 copies of x (q/k/v layout) and its scales: (x8 or None, x8t or None, scales). Row scales have
+    the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows)."""
+    packed = cu is not None
+    heads, head_dim = x.shape[-2], x.shape[-1]
+    dev = x.device
+    x8 = _new(x.shape, _FP8, dev) if rows else None
+    x8t = None
+    if transposed:
+        shape, n = _t_shape(x, packed)
+        x8t = _new(shape, _FP8, dev)
+        x8t[..., n:].zero_()  # the padding TMA tiles may read: finite
+    total = x.shape[0] if packed else 0
+    if rowwise:
+        scales = _new((heads, total) if packed else (batch, heads, seqlen), torch.float32, dev)
+        scale_strides = attn._lse_strides(heads, seqlen, total, packed)
+        block = _ROWS_PER_QUANT_PROGRAM
+    else:
+        n_blocks = _cdiv(max(max_len, 1), KV_BLOCK)
+        scales = _new((batch, heads, n_blocks), torch.float32, dev)
+        scale_strides = (heads * n_blocks, n_blocks)
+        block = KV_BLOCK
+    if x.numel() == 0:
+        return x8, x8t, scales
+    block_d = _block_d(head_dim)
+    warps = 8 if block * block_d >= 16384 else 4
+    for b0 in range(0, batch, attn._MAX_GRID_YZ):
+        nb = min(batch - b0, attn._MAX_GRID_YZ)
+        _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
+            x, x8, x8t, scales, rot, cu, *_seq_strides(x, packed),
+            *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
+            *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
+            WRITE_ROWS=rows, WRITE_T=transposed, VARLEN=packed, EMU=_INTERPRET, num_warps=warps)
+    return x8, x8t, scales
+
+
+def _t_descriptor(t, packed, block_cols):
+    """A transposed copy as a 2-D (heads * head_dim rows, tokens) TMA descriptor, (head_dim, block) tiles."""
+    d, n = t.shape[-2], t.shape[-1]
+    rows = t.numel() // n
+    shape, strides, block = [rows, n], [n, 1], [d, block_cols]
+    if attn._DESC_DEFAULTS is None:
+        return attn.TensorDescriptor(t, shape, strides, block)
+    return attn._fast_descriptor(attn._DESC_DEFAULTS, t, shape, strides, block)
+
+
+def _tma(device, head_dim):
+    """The load path of the FP8 kernels: descriptors where the bf16 kernel would use them and every tile
+    spans whole rows (head_dim a power of two >= 32; the copies are the pass's, always contiguous)."""
+    mode = attn._tma_mode(device)
+    return mode if mode != "off" and head_dim == _block_d(head_dim) else "off"
+
+
+def _consts(q, left, right, packed):
+    return dict(HEAD_DIM=q.shape[-1], BLOCK_D=_block_d(q.shape[-1]), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+                VARLEN=packed, KV_BLOCK=KV_BLOCK, EMU=_INTERPRET,
+                EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16)
+
+
+def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
+    """O (contiguous, q's dtype) and LSE (float32, natural log) of FP8 attention."""
+    packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = attn._common(q, k, cu_seqlens,
+                                                                                               max_seqlen)
+    out = _new(q.shape, q.dtype, q.device)
+    total = q.shape[0] if packed else 0
+    lse = _new((heads, total) if packed else (batch, heads, seqlen_q), torch.float32, q.device)
+    if q.numel() == 0:
+        return out, lse
+    if k.numel() == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cu = cu_seqlens.to(q.device) if packed else None
+    rot = rotation(head_dim, q.device) if rotate else None
+    k8, _, ks = _quantize(k, cu, batch, seqlen_k, max_k, rowwise=False, rot=rot)
+    _, v8t, vs = _quantize(v, cu, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
+    if rotate:
+        q8, _, qs = _quantize(q, cu, batch, seqlen_q, max_q, rowwise=True, rot=rot)
+    else:
+        q8, qs = None, None
+    tma = _tma(q.device, head_dim)
+    rows_k = 0 if packed else seqlen_k
+    scalars = (*_seq_strides(q, packed), *(_seq_strides(q8, packed) if rotate else (0, 0, 0)),
+               *_seq_strides(k8, packed), *_t_strides(v8t, packed), *ks.stride()[:2], *_seq_strides(out, packed),
+               *attn._lse_strides(heads, seqlen_q, total, packed), seqlen_q, seqlen_k, rows_k,
+               0 if packed else kv_heads, heads // kv_heads,
+               softmax_scale * LOG2E / (head_dim if rotate else 1), left, right)
+
+    def args(bm, bn, use_tma, b0):
+        descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
+        return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, *descs, *scalars, b0)
+
+    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate}
+    key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
+    attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
+    return out, lse
+
+
+def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
+    """dQ, dK, dV (contiguous, in the input dtype) of FP8 attention."""
+    packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = attn._common(q, k, cu_seqlens,
+                                                                                               max_seqlen)
+    dq = _new(q.shape, q.dtype, q.device)
+    dk = _new(k.shape, k.dtype, k.device)
+    dv = _new(v.shape, v.dtype, v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    total = q.shape[0] if packed else 0
+    cu = cu_seqlens.to(q.device) if packed else None
+    lse2, delta = attn._backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
+    rot = rotation(head_dim, q.device) if rotate else None
+    q8, q8t, qs = _quantize(q, cu, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
+    do8, do8t, dos = _quantize(dout, cu, batch, seqlen_q, max_q, rowwise=True, transposed=True)
+    k8, k8t, ks = _quantize(k, cu, batch, seqlen_k, max_k, rowwise=False, rot=rot, transposed=True)
+    v8, _, vs = _quantize(v, cu, batch, seqlen_k, max_k, rowwise=False)
+    tma = _tma(q.device, head_dim)
+    rows_q, rows_k = (0, 0) if packed else (seqlen_q, seqlen_k)
+    group = heads // kv_heads
+    tail = (softmax_scale * LOG2E / (head_dim if rotate else 1), softmax_scale / (head_dim if rotate else 1),
+            left, right)
+    lse_strides = attn._lse_strides(heads, seqlen_q, total, packed)
+    consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
+    bucket = attn._bucket(max_q, max_k)
+
+    dkdv_scalars = (*_seq_strides(q8, packed), *_t_strides(q8t, packed), *_seq_strides(k8, packed),
+                    *ks.stride()[:2], *_seq_strides(dk, packed), *lse_strides,
+                    seqlen_q, seqlen_k, rows_q, 0 if packed else heads, group, *tail)
+
+    def dkdv_args(bm, bn, use_tma, b0):
+        descs = ((attn._descriptor(q8, packed, bm), _t_descriptor(q8t, packed, bm),
+                  attn._descriptor(do8, packed, bm), _t_descriptor(do8t, packed, bm))
+                 if use_tma else (None,) * 4)
+        return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, rot, cu, *descs, *dkdv_scalars, b0)
+
+    dkdv_consts = {**consts, "GQA": group > 1}
+    attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,
+              lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb), dkdv_args, dkdv_consts)
+
+    dq_scalars = (*_seq_strides(q8, packed), *_seq_strides(k8, packed), *_t_strides(k8t, packed),
+                  *ks.stride()[:2], *_seq_strides(dq, packed), *lse_strides,
+                  seqlen_q, seqlen_k, rows_k, 0 if packed else kv_heads, group, *tail)
+
+    def dq_args(bm, bn, use_tma, b0):
+        descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(k8t, packed, bn), attn._descriptor(v8, packed, bn))
+                 if use_tma else (None,) * 3)
+        return (q8, do8, qs, dos, k8, k8t, v8, ks, vs, dq, lse2, delta, rot, cu, *descs, *dq_scalars, b0)
+
+    attn._run(_DQ8, tma, (bucket, q.dtype, *consts.values()), batch,
+              lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), dq_args, consts)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops and autograd (as flash_attention's: eager calls skip the op dispatch; torch.compile sees ops)
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilewise::fp8_flash_attn_fwd", mutates_args=())
+def _fp8_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                     max_seqlen: int, softmax_scale: float, left: int, right: int, rotate: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate)
+
+
+@_fp8_attn_fwd_op.register_fake
+def _fp8_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
+    heads = q.shape[-2]
+    lse_shape = (heads, q.shape[0]) if cu_seqlens is not None else (q.shape[0], heads, q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("tilewise::fp8_flash_attn_bwd", mutates_args=())
+def _fp8_attn_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                     max_seqlen: int, softmax_scale: float, left: int, right: int, rotate: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate)
+
+
+@_fp8_attn_bwd_op.register_fake
+def _fp8_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.args = (max_seqlen, softmax_scale, left, right, rotate)
+
+
+def _backward(ctx, dout, dlse, impl):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = impl(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+class Fp8FlashAttnFunction(torch.autograd.Function):
+    """Eager forward and backward of FP8 attention (the launchers, no op dispatch)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
+        out, lse = _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate)
+        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, _fp8_backward)
+
+
+def _op_backward(ctx, dout, dlse):
+    return _backward(ctx, dout, dlse, torch.ops.tilewise.fp8_flash_attn_bwd)
+
+
+torch.library.register_autograd("tilewise::fp8_flash_attn_fwd", _op_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+def _check_fp8_args(q, softmax_scale, rotate):
+    name = "fp8_flash_attention"
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"{name}: softmax_scale={softmax_scale!r}; FP8 attention needs a positive scale")
+    head_dim = q.shape[-1]
+    if rotate and (head_dim < 32 or head_dim & (head_dim - 1)):
+        raise ValueError(f"{name}: rotate=True needs head_dim a power of two >= 32 (a Hadamard rotation), "
+                         f"got {head_dim}")
+
+
+def fp8_flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
+                        max_seqlen=None, rotate=False, return_lse=False):
+    """Attention with its six GEMMs on FP8 (E4M3) tensor cores; flash_attention's layout, masks and return
+    values (out, or (out, lse)), softmax_scale > 0. rotate=True applies a random-sign Hadamard rotation to Q
+    and K first (head_dim a power of two >= 32): more accurate when a few channels are large. Outputs and
+    gradients are in the inputs' dtype; their error against exact attention is ~5% (module docstring).
+    CPU tensors run fp8_attention_reference, the same quantization in PyTorch."""
+    attn.check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="fp8_flash_attention")
+    _check_fp8_args(q, softmax_scale, rotate)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if use_triton(q) and q.dtype != torch.float64:
+        left, right = attn._effective_window(causal, window)
+        if cu_seqlens is not None and max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        args = (q, k, v, cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right, bool(rotate))
+        if torch.compiler.is_compiling():
+            out, lse = torch.ops.tilewise.fp8_flash_attn_fwd(*args)
+        else:
+            out, lse = Fp8FlashAttnFunction.apply(*args)
+        return (out, lse) if return_lse else out
+    return fp8_attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   cu_seqlens=cu_seqlens, rotate=rotate, return_lse=return_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# References: the kernels' quantization in PyTorch, and the naive per-tensor baseline
+# ----------------------------------------------------------------------------------------------
+
+def _through(x, y):
+    """y in the forward, the identity's gradient in the backward (a straight-through estimator)."""
+    return x + (y - x).detach()
+
+
+def _e4m3_round(x):
+    return x.to(_FP8).to(x.dtype)
+
+
+def _scales_ref(amax):
+    live = amax > _TINY
+    ones = torch.ones_like(amax)
+    return torch.where(live, FP8_MAX / torch.where(live, amax, ones), 0 * ones), torch.where(live, amax / FP8_MAX, ones)
+
+
+def quantize_rows_reference(x):
+    """x (float32, (..., head_dim)) on the E4M3 grid with one scale per row, dequantized (straight-through)."""
+    inv, scale = _scales_ref(x.detach().abs().amax(-1, keepdim=True))
+    return _through(x, _e4m3_round(x * inv) * scale)
+
+
+def quantize_blocks_reference(x, block=None):
+    """x (float32, (batch, seqlen, heads, head_dim)) with one scale per `block` rows (KV_BLOCK) of each head,
+    dequantized (straight-through)."""
+    block = KV_BLOCK if block is None else block
+    b, n, h, d = x.shape
+    pad = -n % block
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).reshape(b, (n + pad) // block, block, h, d)
+    inv, scale = _scales_ref(xp.detach().abs().amax(dim=(2, 4), keepdim=True))
+    y = (_e4m3_round(xp * inv) * scale).reshape(b, n + pad, h, d)[:, :n]
+    return _through(x, y)
+
+
+def _fp8_dense(q, k, v, causal, softmax_scale, window, rotate, kv_block):
+    """(B, S, H, D) FP8 attention in PyTorch, float32: the kernels' quantization of Q, K, V and P (P against
+    the final row maximum, where the kernel uses the running one), straight-through gradients."""
+    head_dim = q.shape[-1]
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    scale = softmax_scale
+    if rotate:
+        r = rotation(head_dim, q.device).float()
+        qf, kf = qf.to(torch.bfloat16).float() @ r, kf.to(torch.bfloat16).float() @ r
+        scale = softmax_scale / head_dim
+    q8 = quantize_rows_reference(qf)
+    k8 = quantize_blocks_reference(kf, kv_block)
+    v8 = quantize_blocks_reference(vf, kv_block)
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q8, k8, v8))
+    if group > 1:
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    keep = attn.attention_mask(q.shape[1], k.shape[1], causal, window, q.device)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    m = scores.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    l = p.sum(-1, keepdim=True)
+    p8 = _through(p, _e4m3_round(p * FP8_MAX) / FP8_MAX)
+    out = torch.matmul(p8, vt) / torch.where(l > 0, l, torch.ones_like(l))
+    lse = torch.where(l[..., 0] > 0, (m + torch.log(l))[..., 0], torch.full_like(l[..., 0], float("-inf")))
+    return out.transpose(1, 2).to(q.dtype), lse
+
+
+def _per_sequence(fn, q, k, v, cu_seqlens, return_lse):
+    """Apply fn((1, S, H, D) tensors) -> (out, lse) per packed document, or once for a batch."""
+    if cu_seqlens is None:
+        out, lse = fn(q, k, v)
+    else:
+        outs, lses = [], []
+        bounds = cu_seqlens.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            o, l = fn(q[None, s:e], k[None, s:e], v[None, s:e])
+            outs.append(o[0])
+            lses.append(l[0])
+        out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=-1)
+    return (out, lse) if return_lse else out
+
+
+def fp8_attention_reference(q, k, v, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
+                            rotate=False, return_lse=False, kv_block=None):
+    """fp8_flash_attention's forward in PyTorch (float32 math on the same E4M3 values: row-scaled Q, K/V
+    scaled per kv_block rows, P * 448 rounded), with straight-through gradients: the gradients of exact
+    attention at the quantized inputs, not the FP8 backward's."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    kv_block = KV_BLOCK if kv_block is None else kv_block
+    return _per_sequence(lambda a, b, c: _fp8_dense(a, b, c, causal, softmax_scale, window, rotate, kv_block),
+                         q, k, v, cu_seqlens, return_lse)
+
+
+def naive_fp8_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
+                        return_lse=False):
+    """The accuracy baseline: Q, K, V each quantized to E4M3 with one scale for the whole tensor (its amax
+    -> 448), then exact attention in float32 on the dequantized values (no P quantization), straight-through
+    gradients. Only the inputs' rounding separates it from exact attention, so it is the most favourable
+    per-tensor FP8 baseline there is."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def per_tensor(x):
+        x = x.float()
+        inv, scale = _scales_ref(x.detach().abs().amax())
+        return _through(x, _e4m3_round(x * inv) * scale)
+
+    qd, kd, vd = (per_tensor(t) for t in (q, k, v))
+    res = attn.attention_reference(qd, kd, vd, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   cu_seqlens=cu_seqlens, return_lse=return_lse)
+    if return_lse:
+        return res[0].to(q.dtype), res[1]
+    return res.to(q.dtype)
