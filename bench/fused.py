@@ -321,7 +321,15 @@ class Bench:
         bwd_bytes = 4 * rows * width * x.element_size()        # read dy, dh, h; write dx (= dresidual)
         bwd_ms, bwd_graph = self.ms(bwd), self.graph_ms(bwd)
         fwd_graph = self.graph_ms(fwd)
-        entry = {"op": "add_" + kind, "rows": rows, "width": width,
+        sums_us = None
+        plans = [plan for key, plan in norm._PLANS.items() if key[0] is False and key[2:4] == (width, is_rms)]
+        if plans:      # the dweight/dbias sums alone, over as many partial rows as the backward writes
+            programs = norm.launch_programs(plans[0].per_wave, plans[0].cfg.waves, -(-rows // plans[0].cfg.block_m))
+            part = torch.randn(2, programs, width, device=x.device)
+            dw, db = torch.empty_like(w), torch.empty_like(w)
+            sums_ms = self.graph_ms(lambda: norm.sum_partials(part, programs, dw, None if b is None else db))
+            sums_us = sums_ms * 1e3 if sums_ms else None
+        entry = {"op": "add_" + kind, "rows": rows, "width": width, "sums_kernel_us": sums_us,
                  "forward_config": list(norm.forward_config(width, is_rms)),
                  "backward_config": list(norm.backward_config(width, is_rms)),
                  "fwd_launcher_GBps": fwd_bytes / self.ms(fwd) / 1e6,
@@ -335,7 +343,8 @@ class Bench:
         self.results["diagnostics"]["norm"].append(entry)
         print(f"  {kind} {rows}x{width}: launchers alone, GPU only: fwd "
               f"{entry['fwd_launcher_graph_GBps'] or 0:.0f} GB/s, bwd {entry['bwd_launcher_graph_GBps'] or 0:.0f} "
-              f"GB/s; host {entry['tilewise_fwd_bwd_host_ms'] * 1e3:.0f} us a forward+backward (eager "
+              f"GB/s (dweight/dbias sums {sums_us or 0:.1f} us of it); host "
+              f"{entry['tilewise_fwd_bwd_host_ms'] * 1e3:.0f} us a forward+backward (eager "
               f"{entry['eager_fwd_bwd_host_ms'] * 1e3:.0f} us)")
 
     def liger_alone(self, kind, x, r, w, b):

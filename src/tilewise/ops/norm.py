@@ -511,8 +511,9 @@ def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Opti
     return y, h, stats
 
 
-# the second stage's tiles: 128 partial rows x 32 columns (a 128-byte line a row) a step, 4 warps
-_SUM_COLUMNS = 32
+# the second stage's tiles: 128 partial rows x 16 columns (two 32-byte sectors a row) a step, 4 warps: 48
+# column blocks (times dweight and dbias) at width 768, enough programs to spread over the SMs
+_SUM_COLUMNS = 16
 _sum_partials = _sum_partials_launch.bind(BLOCK_R=128, BLOCK_N=_SUM_COLUMNS, NUM_STAGES=3, num_warps=4,
                                           num_stages=3)
 
