@@ -260,9 +260,10 @@ def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=N
     out = grad if backward else logits
     return _ce_row_launch(
         (programs,), logits, logits.stride(0), out, out.stride(0), target, loss if forward else lse, lse, scale,
-        stride_scale, n_rows, n_vocab, ignore_index, float(z_loss), FORWARD=forward, BACKWARD=backward, HAS_Z=z_loss != 0.0,
-        OUT_BF16=backward and grad.dtype == torch.bfloat16, WHOLE_ROW=config.block_v >= n_vocab,
-        BLOCK_V=config.block_v, STRIDED=programs < n_rows, num_warps=config.num_warps)
+        stride_scale, n_rows, n_vocab, ignore_index, float(z_loss), FORWARD=forward, BACKWARD=backward,
+        HAS_Z=z_loss != 0.0, OUT_BF16=backward and grad.dtype == torch.bfloat16,
+        WHOLE_ROW=config.block_v >= n_vocab, BLOCK_V=config.block_v, STRIDED=programs < n_rows,
+        num_warps=config.num_warps)
 
 
 _FP32_OUT_MM_OK = {}  # (device, dtype) -> whether addmm(..., torch.float32) accumulates correctly there
