@@ -75,40 +75,39 @@ def _aligned(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
+def _widen(y, out_dtype, bias):
+    """The GEMM's result y in out_dtype, plus the bias (one kernel for both when y is narrower)."""
+    if y.dtype == out_dtype:
+        return y.add_(bias) if bias is not None else y
+    return torch.add(bias, y) if bias is not None else y.to(out_dtype)
+
+
 def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
-    """_scaled_mm adds a bias only for a 16-bit output, so an fp32 output gets it afterwards."""
-    fused = bias is not None and out_dtype != torch.float32
-    y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), bias=bias if fused else None,
-                         out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return y + bias if bias is not None and not fused else y
-
-
-# out dtypes the block-scaled cuBLAS GEMM refused on a device: those GEMMs run in bf16 and are cast after.
-_BLOCK_OUT_REFUSED: set = set()
+    """An fp32 result (the weight gradient of fp32 master weights, dx of an fp32 input) is computed in bf16
+    and widened: the rounding adds 2^-9 relative error per element, far below the FP8 operands' ~2^-4, halves
+    the GEMM's writes, and keeps to the 16-bit outputs that the GPU tests cover."""
+    if out_dtype == torch.float32:
+        y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), out_dtype=torch.bfloat16,
+                             use_fast_accum=fast_accum)
+        return _widen(y, out_dtype, bias)
+    return torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def _gemm_blockwise(a, b, a_scales, b_scales, out_dtype, bias=None, fast_accum=False):
     """a_scales (cols/128, rows of a) and b_scales (cols/128, rows of b.t()) as the casts store them. On CUDA
-    torch._scaled_mm with 1x128 x 1x128 block scales; elsewhere (no CPU kernel) the same product of the
-    dequantized operands in fp32."""
-    if a.is_cuda:
-        y = _scaled_mm_blockwise(a, b, a_scales.t(), b_scales, out_dtype)
-    else:
-        y = (block_dequantize_reference(a, a_scales) @ block_dequantize_reference(b.t(), b_scales).t()).to(out_dtype)
-    return y.add_(bias) if bias is not None else y
-
-
-def _scaled_mm_blockwise(a, b, a_scales, b_scales, out_dtype):
-    key = (a.device, out_dtype)
-    if key not in _BLOCK_OUT_REFUSED:
-        try:
-            return torch._scaled_mm(a, b, scale_a=a_scales, scale_b=b_scales, out_dtype=out_dtype)
-        except (RuntimeError, NotImplementedError) as e:
-            if out_dtype == torch.bfloat16:
-                raise RuntimeError(f"FP8 recipe 'blockwise' needs torch._scaled_mm with 1x128 block scales (sm90 and "
-                                   f"cuBLAS >= 12.9); here it failed: {type(e).__name__}: {e}") from e
-            _BLOCK_OUT_REFUSED.add(key)
-    return _scaled_mm_blockwise(a, b, a_scales, b_scales, torch.bfloat16).to(out_dtype)
+    torch._scaled_mm with 1x128 x 1x128 block scales (16-bit output, widened as in _gemm_per_tensor; the
+    bias added after); elsewhere (no CPU kernel) the same product of the dequantized operands in fp32."""
+    gemm_dtype = out_dtype if out_dtype != torch.float32 else torch.bfloat16
+    if not a.is_cuda:
+        y = block_dequantize_reference(a, a_scales) @ block_dequantize_reference(b.t(), b_scales).t()
+        return _widen(y.to(gemm_dtype), out_dtype, bias)
+    try:
+        y = torch._scaled_mm(a, b, scale_a=a_scales.t(), scale_b=b_scales, out_dtype=gemm_dtype)
+    except (RuntimeError, NotImplementedError) as e:
+        raise RuntimeError(f"FP8 recipe 'blockwise' needs torch._scaled_mm with 1x128 block scales (sm90 and "
+                           f"cuBLAS >= 12.9); here it failed: {type(e).__name__}: {e}") from e
+    return _widen(y, out_dtype, bias)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ never results.
 """
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -39,6 +38,7 @@ import triton.language as tl
 import triton.runtime.errors
 
 from .dispatch import use_triton
+from .launch import FastLauncher, cdiv
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Smallest normal exponent and mantissa bits, for rounding onto the FP8 grid (interpreter only, below).
@@ -222,28 +222,51 @@ _INTERPRETER_TILE = (32, 32, 4)
 assert all(bm % _SUB_M == 0 for bm, _, _ in _CAST_CONFIGS) and BLOCK % _SUB_M == 0
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it at decoration
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _on_gpu(x) -> bool:
+    return x.is_cuda and not _INTERPRET
 
 
-def _make_launcher(kernel):
-    """launch(grid, *args, **meta): tilewise.ops.launch.FastLauncher where that module exists (it launches
-    the compiled kernel directly after the first call), else Triton's own launch."""
-    try:
-        from .launch import FastLauncher
-    except ImportError:
-        return lambda grid, *args, **meta: kernel[grid](*args, **meta)
-    return FastLauncher(kernel)
+_cast_launcher = FastLauncher(_fp8_cast_kernel)
+_block_launcher = FastLauncher(_fp8_block_cast_kernel)
+_amax_launcher = FastLauncher(_amax_partials_kernel)
+# Launch plans: the kernel's launcher bound to one set of constexprs and options, made once per key (binding
+# and hashing the keywords on every call would cost as much host time as the launch itself).
+_PLANS: dict = {}
 
 
-_launch_cast_kernel = _make_launcher(_fp8_cast_kernel)
-_launch_block_kernel = _make_launcher(_fp8_block_cast_kernel)
-_launch_amax_kernel = _make_launcher(_amax_partials_kernel)
+def _cast_plan(current, write_y, write_t, acc_amax, col_sums, fp8_dtype, tile):
+    key = ("cast", current, write_y, write_t, acc_amax, col_sums, fp8_dtype, tile)
+    plan = _PLANS.get(key)
+    if plan is None:
+        emin, mbits = _FP8_GRID[fp8_dtype]
+        bm, bn, warps = tile
+        plan = _PLANS[key] = _cast_launcher.bind(
+            CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, COL_SUMS=col_sums,
+            EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
+            SCALE_INV_AT=SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return plan
+
+
+def _block_plan(write_y, write_t, acc_amax, col_sums, fp8_dtype, warps):
+    key = ("block", write_y, write_t, acc_amax, col_sums, fp8_dtype, warps)
+    plan = _PLANS.get(key)
+    if plan is None:
+        emin, mbits = _FP8_GRID[fp8_dtype]
+        plan = _PLANS[key] = _block_launcher.bind(
+            WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, COL_SUMS=col_sums, EXACT_ROUND=_INTERPRET,
+            EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, BLOCK_S=BLOCK, num_warps=warps)
+    return plan
+
+
+_amax_gpu = _amax_launcher.bind(PARTS_AT=_PARTS_AT, BLOCK_E=4096, num_warps=8)
+_amax_interpreted = _amax_launcher.bind(PARTS_AT=_PARTS_AT, BLOCK_E=1024, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,27 +308,21 @@ def _compiled(key, name, launch) -> bool:
         return False
 
 
-def _on_gpu(x) -> bool:
-    return x.is_cuda and not _interpreting()
-
-
 def _launch_amax(x, scratch) -> int:
     """The current-scaling amax pass: partial maxima into scratch; returns how many (0: did not compile)."""
     numel = x.numel()
     if _on_gpu(x):
-        block, warps = 4096, 8
-        parts = min(triton.cdiv(numel, block), _PARTS)
-        ok = _compiled("amax", lambda: "_amax_partials_kernel", lambda: _launch_amax_kernel(
-            (parts,), x, numel, scratch, PARTS_AT=_PARTS_AT, BLOCK_E=block, num_warps=warps))
+        parts = min(cdiv(numel, 4096), _PARTS)
+        ok = _compiled("amax", lambda: "_amax_partials_kernel", lambda: _amax_gpu((parts,), x, numel, scratch))
         return parts if ok else 0
-    parts = min(triton.cdiv(numel, 1024), 4)
-    _launch_amax_kernel((parts,), x, numel, scratch, PARTS_AT=_PARTS_AT, BLOCK_E=1024, num_warps=4)
+    parts = min(cdiv(numel, 1024), 4)
+    _amax_interpreted((parts,), x, numel, scratch)
     return parts
 
 
 def _new_partials(M, N, device):
     # Every SUB_M-row block's partial is written whatever the tile, so no fill (the tests fill NaN here).
-    return torch.empty(triton.cdiv(M, _SUB_M), N, dtype=torch.float32, device=device)
+    return torch.empty(cdiv(M, _SUB_M), N, dtype=torch.float32, device=device)
 
 
 def _with_col_sums(x, col_sums, key, name, launch) -> bool:
@@ -323,11 +340,11 @@ def _with_col_sums(x, col_sums, key, name, launch) -> bool:
     return True
 
 
-def cast_tiles(x, y, yt):
-    """The per-tensor cast's [(BLOCK_M, BLOCK_N, num_warps)] for this pass on this device."""
+def cast_tiles(x, y, yt) -> tuple:
+    """The per-tensor cast's ((BLOCK_M, BLOCK_N, num_warps),) for this pass on this device."""
     if not _on_gpu(x):
-        return [_INTERPRETER_TILE]
-    return [_TILES["t" if yt is not None else "y"]]
+        return (_INTERPRETER_TILE,)
+    return (_TILES["t" if yt is not None else "y"],)
 
 
 def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtype, margin, current,
@@ -335,30 +352,28 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
     """One per-tensor cast pass; False when it does not compile here (the caller takes the reference).
 
     scratch, n_parts: current scaling's buffer and how many amax partials _launch_amax wrote in it.
-    tiles: [(BLOCK_M, BLOCK_N, num_warps), ...], each run in turn on the same buffers (a rerun must leave
+    tiles: ((BLOCK_M, BLOCK_N, num_warps), ...), each run in turn on the same buffers (a rerun must leave
     the same result: the tests check it); default cast_tiles().
     """
     M, N = x.shape
     if M * N > _MAX_ELEMENTS:
         raise ValueError(f"fp8 cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
-    emin, mbits = _FP8_GRID[fp8_dtype]
-    tiles = tiles if tiles is not None else cast_tiles(x, y, yt)
-    flags = dict(CURRENT=current, WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_i32 is not None,
-                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, PARTS=_PARTS,
-                 PARTS_AT=_PARTS_AT, SCALE_INV_AT=SCALE_INV_OFFSET)
+    tiles = tuple(tiles) if tiles is not None else cast_tiles(x, y, yt)
+    write_y, write_t, acc = y is not None, yt is not None, amax_i32 is not None
+    # a copy not asked for gets the other's pointer (never written: its WRITE_* is off)
+    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch if scratch is not None else scale,
+            n_parts, amax_i32 if acc else scale.view(torch.int32))
+    tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
 
-    def launch(partials):  # a copy not asked for gets the other's pointer (never written; WRITE_* is off)
-        args = (x, y if y is not None else yt, yt if yt is not None else y, M, N, scale,
-                scratch if scratch is not None else scale, n_parts,
-                amax_i32 if amax_i32 is not None else scale.view(torch.int32),
-                partials if partials is not None else scale, FP8_MAX[fp8_dtype], 2.0 ** -margin)
-        for bm, bn, warps in tiles:
-            _launch_cast_kernel((triton.cdiv(M, bm), triton.cdiv(N, bn)), *args, **flags,
-                                COL_SUMS=partials is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    def launch(partials):
+        sums = partials is not None
+        for tile in tiles:
+            _cast_plan(current, write_y, write_t, acc, sums, fp8_dtype, tile)(
+                (cdiv(M, tile[0]), cdiv(N, tile[1])), *args, partials if sums else scale, *tail)
 
-    key = ("cast", current, y is not None, yt is not None, amax_i32 is not None, x.dtype, fp8_dtype, tuple(tiles))
-    name = lambda: "_fp8_cast_kernel(" + ", ".join(f"{k}={v}" for k, v in flags.items() if k in (
-        "CURRENT", "WRITE_Y", "WRITE_T", "ACC_AMAX")) + f", tiles={tiles})"
+    key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles)
+    name = lambda: (f"_fp8_cast_kernel(CURRENT={current}, WRITE_Y={write_y}, WRITE_T={write_t}, ACC_AMAX={acc}, "
+                    f"tiles={tiles})")
     return _with_col_sums(x, col_sums, key, name, launch)
 
 
@@ -367,22 +382,20 @@ def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=N
     M, N = x.shape
     if M * N > _MAX_ELEMENTS:
         raise ValueError(f"fp8 block cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
-    emin, mbits = _FP8_GRID[fp8_dtype]
     warps = warps if warps is not None else (_BLOCK_WARPS if _on_gpu(x) else 4)
-    some, some_s = (y, ys) if y is not None else (yt, yts)  # stand-ins for what is not asked for (never written)
-    flags = dict(WRITE_Y=y is not None, WRITE_T=yt is not None, ACC_AMAX=amax_i32 is not None,
-                 EXACT_ROUND=_interpreting(), EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, BLOCK_S=BLOCK)
-    grid = (triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK))
+    write_y, write_t, acc = y is not None, yt is not None, amax_i32 is not None
+    some, some_s = (y, ys) if write_y else (yt, yts)  # stand-ins for what is not asked for (never written)
+    args = (x, y if write_y else some, yt if write_t else some, ys if write_y else some_s,
+            yts if write_t else some_s, M, N, amax_i32 if acc else some_s.view(torch.int32))
+    grid = (cdiv(M, BLOCK), cdiv(N, BLOCK))
 
     def launch(partials):
-        _launch_block_kernel(grid, x, some if y is None else y, some if yt is None else yt,
-                             some_s if ys is None else ys, some_s if yts is None else yts, M, N,
-                             amax_i32 if amax_i32 is not None else some_s.view(torch.int32),
-                             partials if partials is not None else some_s, FP8_MAX[fp8_dtype],
-                             **flags, COL_SUMS=partials is not None, num_warps=warps)
+        sums = partials is not None
+        _block_plan(write_y, write_t, acc, sums, fp8_dtype, warps)(
+            grid, *args, partials if sums else some_s, FP8_MAX[fp8_dtype])
 
-    key = ("block", y is not None, yt is not None, amax_i32 is not None, x.dtype, fp8_dtype, warps)
-    name = lambda: f"_fp8_block_cast_kernel(WRITE_Y={y is not None}, WRITE_T={yt is not None}, warps={warps})"
+    key = ("block", write_y, write_t, acc, x.dtype, fp8_dtype, warps)
+    name = lambda: f"_fp8_block_cast_kernel(WRITE_Y={write_y}, WRITE_T={write_t}, warps={warps})"
     return _with_col_sums(x, col_sums, key, name, launch)
 
 
@@ -539,8 +552,8 @@ def cast_block(x, fp8_dtype, amax_i32, rowwise, transpose, col_sums=None):
     dev = x.device
     y = torch.empty((M, N), dtype=fp8_dtype, device=dev) if rowwise else None
     yt = torch.empty((N, M), dtype=fp8_dtype, device=dev) if transpose else None
-    ys = torch.empty((triton.cdiv(N, BLOCK), M), dtype=torch.float32, device=dev) if rowwise else None
-    yts = torch.empty((triton.cdiv(M, BLOCK), N), dtype=torch.float32, device=dev) if transpose else None
+    ys = torch.empty((cdiv(N, BLOCK), M), dtype=torch.float32, device=dev) if rowwise else None
+    yts = torch.empty((cdiv(M, BLOCK), N), dtype=torch.float32, device=dev) if transpose else None
     if use_triton(x) and x.numel() > 0 and _launch_block_cast(x.contiguous(), y, yt, ys, yts, amax_i32, col_sums,
                                                               fp8_dtype):
         return y, ys, yt, yts
