@@ -4,8 +4,9 @@ cross_entropy: Triton programs over rows. The forward takes a row's logsumexp (a
 exponentials over BLOCK_V slices) and writes loss = lse - x[target] (+ z_loss * lse^2) and lse, one float
 each per row. The backward writes dlogits = (softmax - onehot + 2 * z_loss * lse * softmax) * scale, scale
 being the upstream gradient over the number of counted targets. A row no wider than BLOCK_V is loaded once
-and kept in registers between the two (WHOLE_ROW); a wider one is streamed twice, the second read often
-from L2. Bytes: forward reads the logits once; backward reads them once and writes the gradient once.
+a launch and held in registers (WHOLE_ROW), so a launch doing both passes reads it once; a wider row is
+streamed, twice by such a launch (the second read partly from L2). Bytes of the plain op: the forward
+reads the logits once; the backward reads them once and writes the gradient once.
 How the rows are launched (slice width, warps, one program per row or a few per SM striding over the
 rows) is a RowConfig, picked by bench/cross_entropy.py --sweep.
 
