@@ -103,7 +103,7 @@ def settings_for(device: str, quick: bool) -> Settings:
                         resume_tolerance=1e-4, correctness_tolerance=1e-3, launch_timeout_s=180, min_launch_s=15,
                         collective_timeout_s=60)
     return Settings(device="cuda", preset="gpt-1.3b", rows_per_gpu=8, log_every=5, steps=20,
-                    variants=("fsdp", PEER) if quick else tuple(SCALING_VARIANTS), ckpt_every=10 if quick else 30,
+                    variants=("fsdp", PEER) if quick else tuple(SCALING_VARIANTS), ckpt_every=20 if quick else 50,
                     resume_steps=5, correctness_preset="gpt-1.3b", correctness_rows_per_gpu=1,
                     correctness_steps=50 if quick else 200,
                     correctness_variants=("fsdp",) if quick else ("fsdp", "ddp"),
@@ -291,7 +291,7 @@ class Bench:
 
     # ---------------------------------------------------------------------------- plumbing
     def data_dir(self, preset: str) -> str:
-        """The synthetic token folder for the preset's vocabulary and sequence length (made once)."""
+        """The synthetic token folder for the preset's vocabulary (made once; rows of any length are cut from it)."""
         from tilewise.config import load_config
         cfg = load_config(preset)
         key = f"{cfg.data.vocab_size}"
@@ -397,7 +397,7 @@ class Bench:
         result_path = os.path.join(out_dir, "baseline.json")
         target = [os.path.join(HERE, "multigpu_baseline.py"), "--preset", s.preset, "--rows-per-gpu",
                   str(s.rows_per_gpu), "--warmup", str(s.log_every), "--steps", str(s.steps), "--device", s.device,
-                  "--timeout-s", str(s.collective_timeout_s), "--out", result_path]
+                  "--data", self.data_dir(s.preset), "--timeout-s", str(s.collective_timeout_s), "--out", result_path]
         launch, timeout = self.run(gpus, target, f"scaling {PEER}")
         unit = "tokens/s per GPU"
         if launch.code != 0:
@@ -413,72 +413,88 @@ class Bench:
 
     # ---------------------------------------------------------------------------- checkpoint
     def checkpoint(self) -> None:
+        """Save on N GPUs (the rows of CHECKPOINT_METRICS), then resume step 2E on N/2 and on 1 GPU."""
         from tilewise.config import load_config
         s, n = self.s, max(self.counts)
         every, resume_from = s.ckpt_every, 2 * s.ckpt_every
-        global_rows = s.rows_per_gpu * n
         base = {"part": "checkpoint", "model": s.preset, "strategy": "fsdp", "rows_per_gpu": s.rows_per_gpu,
                 "seqlen": load_config(s.preset).model.seq_len}
         save_shape = {**base, "gpus": n, "every": every}
-        units = CHECKPOINT_METRICS
+        resume_shapes = {m: {**base, "saved_gpus": n, "gpus": m, "metric": "resume_loss_rel_diff",
+                             "from_step": resume_from, "steps": s.resume_steps}
+                         for m in sorted({max(1, n // 2), 1}, reverse=True)}
         out_dir = os.path.join(self.work, f"checkpoint-save-{n}")
         # Constant learning rate after warm-up (min_lr_ratio 1): a resumed run that stops earlier sees the same rates.
-        overrides = {**self.common_overrides(), "distributed.strategy": "fsdp", "train.batch_size": global_rows,
+        overrides = {**self.common_overrides(), "distributed.strategy": "fsdp", "train.batch_size": s.rows_per_gpu * n,
                      "train.max_steps": 4 * every, "train.warmup_steps": s.log_every, "train.min_lr_ratio": 1.0,
                      "train.log_every": 1, "train.eval_every": 10 ** 9, "train.eval_batches": 1,
                      "checkpoint.every": every, "checkpoint.keep": 3}
+        launch, why = None, None
         try:
             data_dir = self.data_dir(s.preset)
             with CheckpointWatcher(os.path.join(out_dir, "checkpoints")) as watcher:
                 launch, timeout = self.run(n, trainer_target(s.preset, data_dir, out_dir, overrides),
                                            f"checkpoint: fsdp saving every {every} steps")
             if launch.code != 0:
-                for m in units:
-                    self.add(self.error_row({**save_shape, "metric": m}, units[m], failure_of(launch, timeout), launch))
-                return
-            records, summary = read_run(out_dir)
-            self.gpu_name = self.gpu_name or summary.get("device")
-            saves = save_timings(records, watcher, every, 4 * every, s.log_every)
-            ckpt_root = os.path.join(out_dir, "checkpoints")
-            gb = dir_bytes(os.path.join(ckpt_root, step_dir(4 * every))) / 1e9
-            steady = [x["blocked_s"] for x in saves[1:] if x["blocked_s"] is not None]
-            durable = [x["durable_s"] for x in saves if x["durable_s"] is not None]
-            durable_s = statistics.median(durable) if durable else None
-            values = {"blocked_first_s": saves[0]["blocked_s"] if saves else None,
-                      "blocked_s": statistics.median(steady) if steady else None, "durable_s": durable_s,
-                      "write_GBps": gb / durable_s if durable_s else None}
-            for m in units:
-                row = {"shape": {**save_shape, "metric": m}, "unit": units[m],
-                       "tilewise": None if values[m] is None else round(values[m], 3), "GB": round(gb, 2)}
-                if m == "blocked_s":
-                    row["details"] = {"saves": saves, "step_ms_without_save": saves[0]["step_ms_without_save"]
-                                      if saves else None, "ready_s": launch.marks.get(READY_MARK)}
-                if values[m] is None:
-                    row["error"] = "not observed (a save faster than the folder's polling, or no step after it)"
-                self.rows.append(row)
-            self.write()
-            for name in os.listdir(ckpt_root):   # keep only the checkpoint to resume from (disk)
-                if name.startswith("step_") and name != step_dir(resume_from):
-                    shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
-            fresh_ready = launch.marks.get(READY_MARK)
-            for m in sorted({max(1, n // 2), 1}, reverse=True):
-                self.add(self.resume(base, n, m, out_dir, data_dir, overrides, records, fresh_ready))
+                why = failure_of(launch, timeout)
+            else:
+                records, summary = read_run(out_dir)
+                self.gpu_name = self.gpu_name or summary.get("device")
+                save_rows = self.save_rows(save_shape, records, watcher, out_dir, launch)
         except SkipLaunch as e:
-            for m in units:
-                self.add(self.error_row({**save_shape, "metric": m}, units[m], str(e)))
+            why = str(e)
         except Exception as e:
-            for m in units:
-                self.add(self.error_row({**save_shape, "metric": m}, units[m], f"{type(e).__name__}: {e}"))
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            for m, unit in CHECKPOINT_METRICS.items():
+                self.rows.append(self.error_row({**save_shape, "metric": m}, unit, why, launch))
+            for shape in resume_shapes.values():
+                self.rows.append(self.error_row(shape, "max relative loss difference", f"not resumed: saving {why}"))
+            self.write()
+            shutil.rmtree(out_dir, ignore_errors=True)
+            return
+        self.rows += save_rows
+        self.write()
+        ckpt_root = os.path.join(out_dir, "checkpoints")
+        for name in os.listdir(ckpt_root):   # only the checkpoint to resume from stays on disk
+            if name.startswith("step_") and name != step_dir(resume_from):
+                shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
+        try:
+            for m, shape in resume_shapes.items():
+                self.add(self.resume(shape, out_dir, data_dir, overrides, records, launch.marks.get(READY_MARK)))
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
 
-    def resume(self, base: dict, saved_gpus: int, gpus: int, saved_dir: str, data_dir: str, saved_overrides: dict,
-               saved_records: list[dict], fresh_ready: float | None) -> dict:
-        """Resume the saved run's step-2E checkpoint on `gpus` and compare the next steps' losses with it."""
+    def save_rows(self, save_shape: dict, records: list[dict], watcher, out_dir: str, launch: Launch) -> list[dict]:
         s = self.s
-        start = 2 * s.ckpt_every
-        shape = {**base, "saved_gpus": saved_gpus, "gpus": gpus, "metric": "resume_loss_rel_diff",
-                 "from_step": start, "steps": s.resume_steps}
+        every = s.ckpt_every
+        saves = save_timings(records, watcher, every, 4 * every, s.log_every)
+        gb = dir_bytes(os.path.join(out_dir, "checkpoints", step_dir(4 * every))) / 1e9
+        steady = [x["blocked_s"] for x in saves[1:] if x["blocked_s"] is not None]
+        durable = [x["durable_s"] for x in saves if x["durable_s"] is not None]
+        durable_s = statistics.median(durable) if durable else None
+        values = {"blocked_first_s": saves[0]["blocked_s"], "blocked_s": statistics.median(steady) if steady else None,
+                  "durable_s": durable_s, "write_GBps": gb / durable_s if durable_s else None}
+        rows = []
+        for m, unit in CHECKPOINT_METRICS.items():
+            row = {"shape": {**save_shape, "metric": m}, "unit": unit,
+                   "tilewise": None if values[m] is None else round(values[m], 3), "GB": round(gb, 2)}
+            if m == "blocked_s":
+                # a save still writing when the next one starts makes that one wait: its blocked time includes it
+                row["includes_wait"] = any(saves[i - 1]["next_save_waits"] for i in range(1, len(saves))
+                                           if saves[i]["blocked_s"] is not None)
+                row["details"] = {"saves": saves, "step_ms_without_save": saves[0]["step_ms_without_save"],
+                                  "ready_s": launch.marks.get(READY_MARK)}
+            if values[m] is None:
+                row["error"] = "not observed (a save faster than the folder's polling, or no step after it)"
+            rows.append(row)
+        return rows
+
+    def resume(self, shape: dict, saved_dir: str, data_dir: str, saved_overrides: dict, saved_records: list[dict],
+               saved_ready: float | None) -> dict:
+        """Resume the saved run's checkpoint of step shape["from_step"] on shape["gpus"] GPUs, same global batch,
+        and compare the next steps' losses with the saved run's."""
+        s, start, gpus = self.s, shape["from_step"], shape["gpus"]
         unit = "max relative loss difference"
         out_dir = os.path.join(self.work, f"checkpoint-resume-{gpus}")
         try:
@@ -504,7 +520,7 @@ class Bench:
                     "wall_s": round(launch.seconds, 1),
                     "details": {"losses": [[round(a, 5), round(b, 5)] for a, b in pairs],
                                 "ready_s": None if ready is None else round(ready, 2),
-                                "saved_run_ready_s": None if fresh_ready is None else round(fresh_ready, 2),
+                                "saved_run_ready_s": None if saved_ready is None else round(saved_ready, 2),
                                 "note": "ready_s: from the launch to the trainer's first line, which it prints after "
                                         "restoring the checkpoint (the trainer does not record its load time)"}}
         except SkipLaunch as e:
@@ -802,7 +818,7 @@ def print_table(rows: list[dict]) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="also write multigpu.json into this directory")
-    p.add_argument("--quick", action="store_true", help="fsdp and the peer only; checkpoints every 10 steps; a "
+    p.add_argument("--quick", action="store_true", help="fsdp and the peer only; checkpoints every 20 steps; a "
                                                         "50-step fsdp correctness run")
     p.add_argument("--gpus", default="1,2,4,8", help="GPU counts to measure besides 1, where the machine has them")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -816,7 +832,8 @@ def parse_args(argv=None):
     p.add_argument("--correctness-rows-per-gpu", type=int, help="correctness: rows per GPU (default 1 on cuda)")
     p.add_argument("--steps", type=int, help="scaling: timed steps per launch (default 20 on cuda)")
     p.add_argument("--correctness-steps", type=int, help="correctness: steps per run (default 200 on cuda)")
-    p.add_argument("--ckpt-every", type=int, help="checkpoint: steps between saves (default 30 on cuda)")
+    p.add_argument("--ckpt-every", type=int, help="checkpoint: steps between saves (default 50 on cuda: a 1.3B save "
+                                                  "should be durable before the next one starts)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="time for the whole script (default 540, for a 10-minute device call; 0: none)")
     p.add_argument("--launch-timeout-s", type=float, help="the most one launch may take (default 480 on cuda)")
@@ -885,7 +902,7 @@ def main(argv=None) -> int:
         if _current is not None:
             _stop(_current)
         sys.exit(128 + signum)
-    signal.signal(signal.SIGTERM, on_term)
+    previous_handler = signal.signal(signal.SIGTERM, on_term)
     try:
         for part in args.parts:
             if part == "scaling":
@@ -895,6 +912,7 @@ def main(argv=None) -> int:
             else:
                 bench.correctness(args.correctness_variants or list(s.correctness_variants))
     finally:
+        signal.signal(signal.SIGTERM, previous_handler)
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     result = write_results(bench.rows, args, bench.header(), bench.not_measured)

@@ -3,10 +3,12 @@
 What a strong PyTorch user writes to train a GPT on several GPUs: fully_shard on each block, then on the root
 (ZeRO-3), bf16 parameters with gradients reduced in fp32 (MixedPrecisionPolicy, no autocast), each block
 compiled before it is sharded (as torchtitan does), fused AdamW and gradient clipping. The model is sized like a
-tilewise preset (d_model, layers, heads, seq_len, padded vocabulary); each rank trains on its own random tokens.
-Launched by torchrun, like the trainer:
+tilewise preset (d_model, layers, heads, seq_len, padded vocabulary) and initialized as GPT-2 (and tilewise) are;
+with --data it reads the trainer's token folder in the trainer's order (each rank its rows of each global batch,
+loaded onto the device before timing) with the trainer's learning-rate schedule, so its loss is comparable with a
+tilewise run of the same steps; without, random tokens. Launched by torchrun, like the trainer:
 
-    torchrun --standalone --nproc_per_node=N bench/multigpu_baseline.py --preset gpt-1.3b --out result.json
+    torchrun --standalone --nproc_per_node=N bench/multigpu_baseline.py --preset gpt-1.3b --data DIR --out result.json
 
 Rank 0 writes one JSON object to --out: tokens/s per GPU over the timed steps (the slowest rank's time),
 step_ms, peak_mem_gb (the largest over ranks), mfu, the loss after the last step. On CPU (--device cpu, gloo)
@@ -38,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
                    help="torch.compile each block (default: on cuda only)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--data", help="a tilewise token folder to train on (default: random tokens)")
     p.add_argument("--timeout-s", type=int, default=300, help="the process group's collective timeout")
     p.add_argument("--out", required=True, help="the JSON file rank 0 writes")
     args = p.parse_args(argv)
@@ -65,6 +68,24 @@ def plain_shape(preset: str) -> dict:
             "weight_decay": cfg.train.weight_decay, "grad_clip": cfg.train.grad_clip}
 
 
+def init_like_gpt2(model, layers: int, std: float = 0.02) -> None:
+    """N(0, std) weights, the projections into the residual scaled by 1/sqrt(2 * layers), zero biases, unit norms
+    (PyTorch's default N(0, 1) embeddings give a tied head logits of std ~sqrt(d_model))."""
+    import math
+
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln"):
+                p.fill_(1.0)
+            elif name.endswith(("proj.weight", "out.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * layers))
+            else:
+                p.normal_(0.0, std)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -73,7 +94,9 @@ def main(argv=None) -> int:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from common import PlainGPT
+    from tilewise.config import load_config
     from tilewise.metrics import peak_flops
+    from tilewise.train import lr_at
 
     shape = plain_shape(args.preset)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -100,10 +123,13 @@ def main(argv=None) -> int:
         torch.manual_seed(0)   # the same initial weights on every rank, as fully_shard expects
         with device:
             model = PlainGPT(shape["vocab"], shape["seq_len"], shape["d"], shape["layers"], shape["heads"])
+        init_like_gpt2(model, shape["layers"])
         params = sum(p.numel() for p in model.parameters())
         flops_per_token = 6 * params + 6 * shape["layers"] * shape["seq_len"] * shape["d"]
         if args.compile:
-            torch._dynamo.config.recompile_limit = 64   # one compiled block serves all; headroom for guards
+            # One compiled block serves all; headroom for guards (the name before torch 2.6: cache_size_limit).
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            setattr(torch._dynamo.config, limit, 64)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
         for block in model.blocks:
             if args.compile:
@@ -113,14 +139,23 @@ def main(argv=None) -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=shape["lr"], betas=shape["betas"],
                                       weight_decay=shape["weight_decay"], **({"fused": True} if cuda else
                                                                              {"foreach": True}))
-        gen = torch.Generator(device=device).manual_seed(1000 + rank)
         rows, seq = args.rows_per_gpu, shape["seq_len"]
-        batches = [(torch.randint(0, shape["real_vocab"], (rows, seq), device=device, generator=gen),
-                    torch.randint(0, shape["real_vocab"], (rows, seq), device=device, generator=gen))
-                   for _ in range(BATCHES)]
+        total = args.warmup + args.steps
+        if args.data:   # the trainer's rows, in its order: global batch i, this rank's share
+            from tilewise.data import TokenDataset
+            data = TokenDataset(args.data, "train", seq, seed=0, rank=rank, world_size=world)
+            batches = [tuple(t.to(device) for t in data.batch(i, rows * world)) for i in range(total)]
+        else:
+            gen = torch.Generator(device=device).manual_seed(1000 + rank)
+            batches = [(torch.randint(0, shape["real_vocab"], (rows, seq), device=device, generator=gen),
+                        torch.randint(0, shape["real_vocab"], (rows, seq), device=device, generator=gen))
+                       for _ in range(BATCHES)]
+        schedule = load_config(args.preset, overrides=[f"train.max_steps={total}"])
 
         def step(i):
-            x, y = batches[i % BATCHES]
+            x, y = batches[i % len(batches)]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(i, schedule)
             loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), shape["grad_clip"])
@@ -165,7 +200,8 @@ def main(argv=None) -> int:
                   "timed_steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
                   "peak_mem_gb": peak_gb, "mfu": flops_per_token * tokens_per_s_per_gpu / peak if peak else None,
                   "final_loss": loss_value, "params": params, "world_size": world, "device": name,
-                  "compile": bool(args.compile), "rows_per_gpu": rows, "seq_len": seq}
+                  "compile": bool(args.compile), "rows_per_gpu": rows, "seq_len": seq,
+                  "data": "token folder" if args.data else "random tokens"}
         if rank == 0:
             tmp = args.out + ".tmp"
             with open(tmp, "w") as f:

@@ -204,7 +204,10 @@ def test_a_spent_budget_skips_launches_and_says_so(monkeypatch, tmp_path):
     rows = json.loads((out / "multigpu.json").read_text())["rows"]
     assert calls == []
     assert {r["shape"]["part"] for r in rows} == {"scaling", "checkpoint", "correctness"}
-    assert all(r["error"].startswith("skipped") for r in rows)
+    assert all("skipped:" in r["error"] for r in rows)
+    resumes = [r for r in rows if r["shape"].get("metric") == "resume_loss_rel_diff"]
+    assert [r["shape"]["gpus"] for r in resumes] == [1]   # N = 2 processes on CPU: N/2 = 1
+    assert resumes[0]["error"].startswith("not resumed")
 
 
 # ------------------------------------------------------------------------------------------------
