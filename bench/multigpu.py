@@ -127,7 +127,8 @@ class Launch:
 def launch_env(device: str) -> dict:
     env = dict(os.environ)
     env.update(MULTICAST_OFF)
-    env["PYTHONPATH"] = os.pathsep.join([SRC, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # src only: bench/ holds modules with common names (tables, common, ...); the peer's worker adds it itself.
+    env["PYTHONPATH"] = os.pathsep.join([SRC] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"   # the ranks share few cores: more threads only wait for each other
@@ -186,9 +187,13 @@ def failure_of(launch: Launch, timeout: float) -> str:
     if launch.timed_out:
         return f"timed out after {timeout:.0f} s (stopped)"
     lines = [line.strip() for line in launch.output.splitlines() if line.strip()]
-    telling = ([line for line in lines if re.search(r"rank \d+ of \d+ failed|tilewise: .*error", line, re.I)]
-               or [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)] or lines[-1:])
-    return f"exit {launch.code}: {telling[-1][:300] if telling else 'no output'}"
+    # The trainer's own report (a CLI error, or "rank N of W failed"), the first one: the root cause. Else the
+    # last exception line of a worker's traceback (torchrun's ChildFailedError only says that a worker failed).
+    reports = [line for line in lines if re.search(r"tilewise[\w ]*: (error|rank \d+ of \d+ failed)", line)]
+    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)
+                  and "ChildFailedError" not in line]
+    telling = reports[:1] or exceptions[-1:] or lines[-1:]
+    return f"exit {launch.code}: {telling[0][:300] if telling else 'no output'}"
 
 
 class Budget:

@@ -137,6 +137,17 @@ def test_merge_keeps_rows_not_measured_again():
         ("fsdp", 1), ("fsdp", 8), (mg.PEER, 8), ("ddp", 1)]
 
 
+def test_failure_names_the_root_cause_not_torchruns_summary():
+    output = ("tilewise train: error: rank 1: train.batch_size=3 is not a multiple of world size 2\n"
+              "Traceback (most recent call last):\n  File \"run.py\", line 1\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert mg.failure_of(mg.Launch(1, 1.0, output, {}), 60) == (
+        "exit 1: tilewise train: error: rank 1: train.batch_size=3 is not a multiple of world size 2")
+    traceback = "Traceback (most recent call last):\nValueError: --preset llama-1b: not GPT-2\nChildFailedError: x\n"
+    assert mg.failure_of(mg.Launch(1, 1.0, traceback, {}), 60) == "exit 1: ValueError: --preset llama-1b: not GPT-2"
+    assert mg.failure_of(mg.Launch(None, 60.0, "", {}, timed_out=True), 60) == "timed out after 60 s (stopped)"
+
+
 def test_bad_arguments_are_refused(capsys):
     for argv in (["--parts", "scaling,nope"], ["--variants", "zero3"], ["--gpus", "two"], ["--gpus", "0"],
                  ["--steps", "0"], ["--preset", "gpt-7b"]):
