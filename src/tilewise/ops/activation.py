@@ -130,7 +130,8 @@ def _bias_gelu_bwd_tile(width: int) -> tuple[int, int, int]:
     return max(1, 1024 // block_n), block_n, 4
 
 
-_BWD_PLANS: dict = {}   # (device, width, bias?, dtypes) -> (rows a tile, column blocks, bound launcher, programs a wave)
+# (device, width, bias?, dtypes) -> (rows a tile, column blocks, bound launcher, programs a wave)
+_BWD_PLANS: dict = {}
 
 
 def _bias_gelu_backward(dy, x, bias):

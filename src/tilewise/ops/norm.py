@@ -13,8 +13,9 @@ Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
 dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
 per column in registers over its row tiles and writes one fp32 row of partial sums; one small kernel sums
 those rows into dweight and dbias in the parameters' dtypes, with no atomics. Bytes: read dy, dh_in, h;
-write dx (which is also dresidual when there is no dropout and the dtypes agree). Rows wider than _MAX_ROW: a per-row kernel takes mean(g)
-and mean(g * hhat) first, then the columns are split across programs.
+write dx (which is also dresidual when there is no dropout and the dtypes agree). Rows wider than
+_MAX_ROW: a per-row kernel takes mean(g) and mean(g * hhat) first, then the columns are split across
+programs.
 
 The row-tile kernels are persistent: as many programs as the GPU keeps resident (the driver's occupancy
 figure for the compiled kernel), so all run in one wave; each walks tiles pid, pid + programs, ... in a
@@ -340,12 +341,13 @@ class Config(NamedTuple):
 
 # The row-tile kernels' launch configs by row width: an exact width's entry, else its power of two's (at
 # least 16); wider rows than _MAX_ROW go by chunks. Edit here to retune: `bench/fused.py --sweep` on the
-# H200 prints its best configs in this format. The defaults keep 8 elements a thread (16-byte loads of bf16) in tiles of at least
-# 1024 elements (several narrow rows), 4 pipeline stages. Their sm_90 builds (Triton 3.6, bf16 with bf16
-# weights, no dropout) use 48-53 registers in the LayerNorm forward, 40-62 in the RMSNorm one, 64-85 and
-# 60-64 in the backwards, and do not spill: 768- and 1024-wide rows keep 7-12 programs an SM, 8192-wide rows
-# one of 32 warps; with two or three tiles in flight a program, that is 60-200 KB of loads in flight an SM.
-# The 8192-wide backward takes 3 stages (4 spill a register or two with fp32 weights).
+# H200 prints its best configs in this format. The defaults keep 8 elements a thread (16-byte loads of
+# bf16) in tiles of at least 1024 elements (several narrow rows), 4 pipeline stages. Their sm_90 builds
+# (Triton 3.6, bf16 with bf16 weights, no dropout) use 48-53 registers in the LayerNorm forward, 40-62 in
+# the RMSNorm one, 64-85 and 60-64 in the backwards, and do not spill: 768- and 1024-wide rows keep 7-12
+# programs an SM, 8192-wide rows one of 32 warps; with two or three tiles in flight a program, that is
+# 60-200 KB of loads in flight an SM. The 8192-wide backward takes 3 stages (4 spill a register or two with
+# fp32 weights).
 #   width: (forward,                 backward)
 _CONFIGS = {
     16:     (Config(64, 16, 4),      Config(64, 16, 4)),
