@@ -6,7 +6,7 @@ the runs write (metrics.jsonl, summary.json). All runs read the same synthetic t
 its successor, written once as a token folder). Three parts:
 
 scaling      the preset (gpt-1.3b: 8 rows x 2048 tokens per GPU) with ddp and fsdp, bf16 and FP8 (delayed
-             scaling), on 1 GPU and on every count of --gpus the machine has: tokens/s per GPU over the steps
+             scaling), on every count of --gpus the machine has (1 among them): tokens/s per GPU over the steps
              after the first logged interval (warm-up, autotuning), its ratio to 1 GPU, peak memory (rank 0).
              The peer, plain_fsdp2, is bench/multigpu_baseline.py: bench/common.py's plain GPT at the same size,
              fully_shard per block, each block compiled, launched the same way on the same counts.
@@ -18,9 +18,11 @@ checkpoint   fsdp on N GPUs (the largest count), saving every E steps (checkpoin
              (`--resume`) with N/2 and with 1 GPU, same global batch (grad_accum to fit), and the losses of the
              next steps are compared with the N-GPU run's (constant learning rate after warm-up, so a shorter
              resumed run follows the same schedule).
-correctness  a 200-step run on N GPUs (fsdp, ddp) against one GPU without torch.distributed, same global batch
-             (train.batch_size is global; the one GPU accumulates): final train and val losses, relative
-             differences, the largest difference along the logged trajectory.
+correctness  a 200-step run on N GPUs (fsdp, ddp; 1 row of 2048 per GPU) against one GPU without
+             torch.distributed on the same global batch (train.batch_size is global; the one GPU takes it in one
+             micro-batch where it fits, as evaluation reads batch_size // grad_accum rows and both runs must see
+             the same val rows): final train and val losses, their relative differences, the largest difference
+             along the logged trajectory.
 
 Every launch gets the NVLink-multicast-off variables (MULTICAST_OFF, from the device tool's KINDS.md). A launch
 that fails or runs out of time becomes a row with its error and the rest go on. --budget-s bounds the whole
@@ -347,8 +349,8 @@ class Bench:
 
     # ---------------------------------------------------------------------------- scaling
     def scaling(self, variants: list[str]) -> None:
-        largest = max(self.counts)
-        firsts = [1] + ([largest] if largest > 1 else [])
+        # Each variant on 1 GPU and on the most first (its scaling ratio), then on the counts between.
+        firsts = sorted({min(self.counts), max(self.counts)})
         plan = [(v, n) for v in variants for n in firsts]
         plan += [(v, n) for v in variants for n in self.counts if n not in firsts]
         for variant, gpus in plan:
@@ -825,7 +827,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write multigpu.json into this directory")
     p.add_argument("--quick", action="store_true", help="fsdp and the peer only; checkpoints every 20 steps; a "
                                                         "50-step fsdp correctness run")
-    p.add_argument("--gpus", default="1,2,4,8", help="GPU counts to measure besides 1, where the machine has them")
+    p.add_argument("--gpus", default="1,2,4,8",
+                   help="GPU counts to measure, those the machine has (default 1,2,4,8; leave 1 out when merging with "
+                        "an earlier call's 1-GPU rows). Checkpoint and correctness use the largest")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: the same flow with gloo, the tiny preset and 2 processes (a smoke test)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
@@ -893,8 +897,12 @@ def main(argv=None) -> int:
             return 2
     else:
         available = 2
-    counts = sorted({1} | {g for g in args.gpus if g <= available})
+    counts = [g for g in args.gpus if g <= available]
     missing = [g for g in args.gpus if g > available]
+    if not counts:
+        print(f"bench/multigpu.py: --gpus {','.join(map(str, args.gpus))}, but this machine has {available}",
+              file=sys.stderr)
+        return 2
     work = args.work or tempfile.mkdtemp(prefix="tilewise-multigpu-")
     os.makedirs(work, exist_ok=True)
     bench = Bench(s, args, work, counts)

@@ -207,6 +207,24 @@ def test_a_failing_launch_keeps_the_other_rows(monkeypatch, tmp_path):
     assert not (tmp_path / "w" / "scaling-fsdp-1").exists()   # run folders are removed
 
 
+def test_a_later_call_merges_with_an_earlier_ones_rows(monkeypatch, tmp_path):
+    """The workflow of several device calls: 1 GPU first, then 2 GPUs merged with it; ratios over both."""
+    run, calls = fake_torchrun(lambda nproc, target: False)
+    monkeypatch.setattr(mg, "torchrun", run)
+    first, second = tmp_path / "first", tmp_path / "second"
+    mg.main(["--device", "cpu", "--parts", "scaling", "--gpus", "1", "--out", str(first)])
+    assert [c[0] for c in calls] == [1, 1]
+    mg.main(["--device", "cpu", "--parts", "scaling", "--gpus", "2", "--out", str(second),
+             "--merge", str(first / "multigpu.json")])
+    assert [c[0] for c in calls] == [1, 1, 2, 2]          # the second call does not measure 1 GPU again
+    rows = {(r["shape"]["variant"], r["shape"]["gpus"]): r
+            for r in json.loads((second / "multigpu.json").read_text())["rows"]}
+    assert set(rows) == {("fsdp", 1), ("fsdp", 2), (mg.PEER, 1), (mg.PEER, 2)}
+    assert rows["fsdp", 2]["scaling"] == pytest.approx(0.5) and rows[mg.PEER, 2]["scaling"] == pytest.approx(0.5)
+    assert rows["fsdp", 2]["ratio_best_peer"] is not None
+    assert mg.main(["--device", "cpu", "--gpus", "4", "--out", str(tmp_path / "none")]) == 2   # CPU: 2 processes
+
+
 def test_a_spent_budget_skips_launches_and_says_so(monkeypatch, tmp_path):
     run, calls = fake_torchrun(lambda nproc, target: False)
     monkeypatch.setattr(mg, "torchrun", run)
