@@ -64,6 +64,7 @@ from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_range, _load_tile, 
 from .dispatch import use_triton
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
+P_SCALE = tl.constexpr(256.0)  # P in [0, 1] is cast as P * 256: a power of two, so the product is exact
 _INTERPRET = attn._INTERPRET
 # Rows of one head of one sequence that share a K/V scale. Every key tile (BLOCK_N divides it) lies in one
 # block. Smaller in the interpreter, so tiny test sequences span several blocks.
@@ -100,10 +101,17 @@ def _e4m3(x, EMU: tl.constexpr):
 
 @triton.jit
 def _scales(amax):
-    """(multiplier onto the FP8 range, scale back to real units) for an amax: amax maps to 448; an all-zero
-    row or block gets scale 1 (never 0: scales divide each other below)."""
+    """(2^e, 2^-e): 2^e the largest power of two with amax * 2^e <= 448, the multiplier onto the E4M3 range,
+    and 2^-e the scale back. Powers of two make both products exact, so every kernel, the interpreter and
+    torch put a value on the same E4M3 bits (a division would round differently on each and flip the
+    rounding of values on a tie, which bf16 inputs hit often). amax <= 1e-30 (an all-zero row): (0, 1)."""
+    bits = amax.to(tl.int32, bitcast=True)  # amax >= 0: exponent and mantissa fields
+    above = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa > 1.75 = 448 / 2^8
     live = amax > 1e-30
-    return tl.where(live, 448.0 / tl.maximum(amax, 1e-30), 0.0), tl.where(live, amax / 448.0, 1.0)
+    e = tl.where(live, 8 - ((bits >> 23) - 127) - above, 0)
+    inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return tl.where(live, inv, 0.0), scale
 
 
 @triton.jit
@@ -142,15 +150,26 @@ def _load_tile_t(ptrs, cols, n_cols, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl
 
 
 @triton.jit
+def _t_start(CU_T, b, VARLEN: tl.constexpr):
+    """The column of sequence b's first token in a transposed copy: packed copies start every sequence at
+    a multiple of 16 tokens (a TMA tile must start 16-byte aligned); batched ones at 0."""
+    if VARLEN:
+        t = tl.load(CU_T + b)
+    else:
+        t = b * 0
+    return t
+
+
+@triton.jit
 def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
     """acc += (x * x_mult) @ y8 on FP8 tensor cores. x is quantized per row against c, the running row
-    maximum of |x * x_mult| (amax: this tile's), and acc is kept in units of c / 448: rescaled when c grows,
-    as online softmax rescales its output. Returns (acc, c)."""
+    maximum of |x * x_mult| (amax: this tile's), and acc is kept in units of c's scale: rescaled (by a power
+    of two, exactly) when c grows, as online softmax rescales its output. Returns (acc, c); the result is
+    acc * _scales(c)[1]."""
     c_new = tl.maximum(c, amax)
-    live = c_new > 1e-30
-    c_safe = tl.maximum(c_new, 1e-30)
-    inv = tl.where(live, 448.0 / c_safe, 0.0)
-    acc = acc * tl.where(live, c / c_safe, 1.0)[:, None]
+    inv_old, _ = _scales(c)
+    inv, _ = _scales(c_new)
+    acc = acc * tl.where(inv_old > 0, inv / tl.maximum(inv_old, 1e-30), 1.0)[:, None]
     acc = tl.dot(_e4m3(x * (inv * x_mult)[:, None], EMU), y8, acc)
     return acc, c_new
 
@@ -160,13 +179,14 @@ def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_quantize(X, X8, X8T, SC, ROT, CU,
+def _fp8_quantize(X, X8, X8T, SC, ROT, CU, CU_T,
                   sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
                   ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, VARLEN: tl.constexpr,
                   EMU: tl.constexpr):
     """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
-    copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens) and the
+    copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens; packed:
+    heads, head_dim, tokens with each sequence starting at CU_T) and the
     scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks)."""
     h = tl.program_id(1)
     b = tl.program_id(2) + b0
@@ -188,7 +208,8 @@ def _fp8_quantize(X, X8, X8T, SC, ROT, CU,
         ptrs = X8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :]
         _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
     if WRITE_T:
-        ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + start64 + rows[None, :]
+        tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
+        ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + rows[None, :]
         tl.store(ptrs, tl.trans(x8), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
 
 
@@ -235,14 +256,14 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
             vt8 = desc_v.load([vt_row, vt_col + start_n])
         else:
             vt8 = _load_tile_t(vt_base + start + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        acc = tl.dot(_e4m3(p * 448.0, EMU), tl.trans(vt8), acc)
+        acc = tl.dot(_e4m3(p * P_SCALE, EMU), tl.trans(vt8), acc)
         m_i = m_new
         vs_i = vs
     return acc, l_i, m_i, vs_i
 
 
 @triton.jit
-def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, desc_k, desc_v,
+def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -283,28 +304,29 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, desc_k, desc_v,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     vs_i = qk_scale * 0.0 + 1.0
     k_base = K8 + b64 * skb + start64 * sks + hk64 * skh
-    vt_base = V8T + b64 * stb + hk64 * sth + start64
+    tstart = _t_start(CU_T, b, VARLEN)
+    vt_base = V8T + b64 * stb + hk64 * sth + tstart.to(tl.int64)
     s_base = b64 * ssb + hk64 * ssh
     k_row = b * rows_k + start
     kv_col = hk * HEAD_DIM
     vt_row = (b * t_heads + hk) * HEAD_DIM
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
-                                          desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n, offs_d,
+                                          desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     if HAS_LEFT:
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
-                                              desc_k, desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n,
+                                              desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                               HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
-                                          desc_v, k_row, kv_col, vt_row, start, sks, std, qpos, offs_n, offs_d,
+                                          desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * ((vs_i / 448.0) / l_safe)[:, None]
+    out = acc * ((vs_i / P_SCALE) / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + rows * sos + offs_d[None, :]
     _store_tile(o_ptrs, _cast(out, O.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
@@ -401,7 +423,7 @@ def _unrotate(x, ROT, offs_d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DELTA, ROT, CU,
+def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DELTA, ROT, CU, CU_T,
                   desc_q, desc_qt, desc_do, desc_dot,
                   s8qb, s8qs, s8qh, stb, sth, std, s8kb, s8ks, s8kh, ssb, ssh, sgb, sgs, sgh, slb, slh,
                   seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
@@ -437,28 +459,29 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
     ck = tl.zeros([BLOCK_N], tl.float32)
     cv = tl.zeros([BLOCK_N], tl.float32)
     q_off = b64 * s8qb + start64 * s8qs + h64 * s8qh
-    qt_off = b64 * stb + h64 * sth + start64
+    tstart = _t_start(CU_T, b, VARLEN)
+    qt_off = b64 * stb + h64 * sth + tstart.to(tl.int64)
     l_off = b64 * slb + h64 * slh + start64
     q_row = b * rows_q + start
     qt_row = (b * t_heads + h0) * HEAD_DIM
     dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
-                                      start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
                                       GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
     if HAS_RIGHT:
         dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                           DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
-                                          h0, qt_row, start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
+                                          h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
                                           offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
                                           HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
     dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
-                                      start, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
                                       GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
-    dv = dv * (cv * (1.0 / 448.0))[:, None]
-    dk = dk * (ck * (grad_scale / 448.0))[:, None]
+    dv = dv * _scales(cv)[1][:, None]
+    dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
     if ROTATE:
         dk = _unrotate(dk, ROT, offs_d, BLOCK_D)
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
@@ -502,7 +525,7 @@ def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, d
 
 
 @triton.jit
-def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU, desc_k, desc_kt, desc_v,
+def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU, CU_T, desc_k, desc_kt, desc_v,
                 s8qb, s8qs, s8qh, s8kb, s8ks, s8kh, stb, sth, std, ssb, ssh, sgb, sgs, sgh, slb, slh,
                 seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, grad_scale, left, right, b0,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -536,7 +559,8 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
     last = tl.minimum(m0 + BLOCK_M, sq) - 1 + off
     lo, inner_lo, inner_hi, hi = _key_range(first, last, sk, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N)
     k_off = b64 * s8kb + start64 * s8ks + hk64 * s8kh
-    kt_off = b64 * stb + hk64 * sth + start64
+    tstart = _t_start(CU_T, b, VARLEN)
+    kt_off = b64 * stb + hk64 * sth + tstart.to(tl.int64)
     s_base = b64 * ssb + hk64 * ssh
     k_row = b * rows_k + start
     k_col = hk * HEAD_DIM
@@ -544,19 +568,19 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cq = tl.zeros([BLOCK_M], tl.float32)
     dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
-                            k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n, offs_d,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
                             inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
                             BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     if HAS_LEFT:
         dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt,
-                                desc_v, k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n,
+                                desc_v, k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n,
                                 offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
                                 BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
-                            k_off, kt_off, s_base, k_row, k_col, kt_row, start, s8ks, std, qpos, offs_n, offs_d,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
                             inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
                             BLOCK_N, KV_BLOCK, USE_TMA, EMU)
-    dq = dq * (cq * (grad_scale / 448.0))[:, None]
+    dq = dq * (_scales(cq)[1] * grad_scale)[:, None]
     if ROTATE:
         dq = _unrotate(dq, ROT, offs_d, BLOCK_D)
     g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :]
@@ -634,12 +658,25 @@ def rotation(head_dim, device) -> torch.Tensor:
     return (h * signs[None, :]).to(device=device, dtype=torch.bfloat16)
 
 
-def _t_shape(x, packed):
-    """(batch, heads, head_dim, tokens padded to 16) or packed (heads, head_dim, padded tokens): the
-    transposed copy's shape; 16-byte rows, so TMA can tile it."""
-    n = x.shape[0] if packed else x.shape[1]
-    n_pad = _cdiv(max(n, 1), 16) * 16
-    return ((x.shape[-2], x.shape[-1], n_pad) if packed else (x.shape[0], x.shape[-2], x.shape[-1], n_pad)), n
+def _t_offsets(cu):
+    """Packed transposed copies: sequence b's tokens start at column cu_t[b], its start in tokens rounded
+    so that every sequence starts at a multiple of 16 (computed on the device: no host sync)."""
+    padded = (cu[1:] - cu[:-1] + 15) // 16 * 16
+    return torch.cat([cu.new_zeros(1), torch.cumsum(padded, 0)]).to(torch.int32)
+
+
+def _new_transposed(x, packed, batch):
+    """The transposed copy of x: (batch, heads, head_dim, tokens padded to 16), or packed (heads, head_dim,
+    columns) with room for every sequence rounded up to 16 tokens. Rows of 16-byte multiples, so TMA can
+    tile it; the padding (which tiles running past a sequence read) is zero, never NaN."""
+    heads, head_dim = x.shape[-2], x.shape[-1]
+    if packed:
+        cols = _cdiv(x.shape[0] + 16 * batch, 16) * 16
+        return torch.zeros((heads, head_dim, cols), dtype=_FP8, device=x.device)
+    n = x.shape[1]
+    t = _new((x.shape[0], heads, head_dim, _cdiv(max(n, 1), 16) * 16), _FP8, x.device)
+    t[..., n:].zero_()
+    return t
 
 
 def _t_strides(t, packed):
@@ -647,18 +684,14 @@ def _t_strides(t, packed):
     return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _quantize(x, cu, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False):
+def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False):
     """E4M3 copies of x (q/k/v layout) and its scales: (x8 or None, x8t or None, scales). Row scales have
     the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows)."""
     packed = cu is not None
     heads, head_dim = x.shape[-2], x.shape[-1]
     dev = x.device
     x8 = _new(x.shape, _FP8, dev) if rows else None
-    x8t = None
-    if transposed:
-        shape, n = _t_shape(x, packed)
-        x8t = _new(shape, _FP8, dev)
-        x8t[..., n:].zero_()  # the padding TMA tiles may read: finite
+    x8t = _new_transposed(x, packed, batch) if transposed else None
     total = x.shape[0] if packed else 0
     if rowwise:
         scales = _new((heads, total) if packed else (batch, heads, seqlen), torch.float32, dev)
@@ -676,7 +709,7 @@ def _quantize(x, cu, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, tr
     for b0 in range(0, batch, attn._MAX_GRID_YZ):
         nb = min(batch - b0, attn._MAX_GRID_YZ)
         _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
-            x, x8, x8t, scales, rot, cu, *_seq_strides(x, packed),
+            x, x8, x8t, scales, rot, cu, cu_t, *_seq_strides(x, packed),
             *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
             *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
             HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
@@ -719,11 +752,12 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
     if k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     cu = cu_seqlens.to(q.device) if packed else None
+    cu_t = _t_offsets(cu) if packed else None
     rot = rotation(head_dim, q.device) if rotate else None
-    k8, _, ks = _quantize(k, cu, batch, seqlen_k, max_k, rowwise=False, rot=rot)
-    _, v8t, vs = _quantize(v, cu, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
+    k8, _, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot)
+    _, v8t, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
     if rotate:
-        q8, _, qs = _quantize(q, cu, batch, seqlen_q, max_q, rowwise=True, rot=rot)
+        q8, _, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot)
     else:
         q8, qs = None, None
     tma = _tma(q.device, head_dim)
@@ -736,7 +770,7 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
 
     def args(bm, bn, use_tma, b0):
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
-        return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, *descs, *scalars, b0)
+        return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
     consts = {**_consts(q, left, right, packed), "Q_PRE": rotate}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
@@ -758,11 +792,12 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     total = q.shape[0] if packed else 0
     cu = cu_seqlens.to(q.device) if packed else None
     lse2, delta = attn._backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
+    cu_t = _t_offsets(cu) if packed else None
     rot = rotation(head_dim, q.device) if rotate else None
-    q8, q8t, qs = _quantize(q, cu, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
-    do8, do8t, dos = _quantize(dout, cu, batch, seqlen_q, max_q, rowwise=True, transposed=True)
-    k8, k8t, ks = _quantize(k, cu, batch, seqlen_k, max_k, rowwise=False, rot=rot, transposed=True)
-    v8, _, vs = _quantize(v, cu, batch, seqlen_k, max_k, rowwise=False)
+    q8, q8t, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
+    do8, do8t, dos = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, transposed=True)
+    k8, k8t, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot, transposed=True)
+    v8, _, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False)
     tma = _tma(q.device, head_dim)
     rows_q, rows_k = (0, 0) if packed else (seqlen_q, seqlen_k)
     group = heads // kv_heads
@@ -780,7 +815,8 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
         descs = ((attn._descriptor(q8, packed, bm), _t_descriptor(q8t, packed, bm),
                   attn._descriptor(do8, packed, bm), _t_descriptor(do8t, packed, bm))
                  if use_tma else (None,) * 4)
-        return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, rot, cu, *descs, *dkdv_scalars, b0)
+        return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, rot, cu, cu_t, *descs,
+                *dkdv_scalars, b0)
 
     dkdv_consts = {**consts, "GQA": group > 1}
     attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,
@@ -793,7 +829,7 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     def dq_args(bm, bn, use_tma, b0):
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(k8t, packed, bn), attn._descriptor(v8, packed, bn))
                  if use_tma else (None,) * 3)
-        return (q8, do8, qs, dos, k8, k8t, v8, ks, vs, dq, lse2, delta, rot, cu, *descs, *dq_scalars, b0)
+        return (q8, do8, qs, dos, k8, k8t, v8, ks, vs, dq, lse2, delta, rot, cu, cu_t, *descs, *dq_scalars, b0)
 
     attn._run(_DQ8, tma, (bucket, q.dtype, *consts.values()), batch,
               lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), dq_args, consts)
@@ -920,9 +956,13 @@ def _e4m3_round(x):
 
 
 def _scales_ref(amax):
+    """_scales in PyTorch: (2^e, 2^-e) with 2^e the largest power of two keeping amax * 2^e <= 448."""
+    amax = amax.float()
+    bits = amax.view(torch.int32)
+    above = ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
     live = amax > _TINY
-    ones = torch.ones_like(amax)
-    return torch.where(live, FP8_MAX / torch.where(live, amax, ones), 0 * ones), torch.where(live, amax / FP8_MAX, ones)
+    e = torch.where(live, 8 - ((bits >> 23) - 127) - above, torch.zeros_like(bits)).float()
+    return torch.where(live, torch.exp2(e), torch.zeros_like(amax)), torch.exp2(-e)
 
 
 def quantize_rows_reference(x):
@@ -947,6 +987,9 @@ def _fp8_dense(q, k, v, causal, softmax_scale, window, rotate, kv_block):
     """(B, S, H, D) FP8 attention in PyTorch, float32: the kernels' quantization of Q, K, V and P (P against
     the final row maximum, where the kernel uses the running one), straight-through gradients."""
     head_dim = q.shape[-1]
+    if q.shape[1] == 0 or k.shape[1] == 0:  # no query or no key: output 0, lse -inf
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum()), lse  # still a function of q, k, v
     qf, kf, vf = (t.float() for t in (q, k, v))
     scale = softmax_scale
     if rotate:
@@ -967,7 +1010,7 @@ def _fp8_dense(q, k, v, causal, softmax_scale, window, rotate, kv_block):
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m)
     l = p.sum(-1, keepdim=True)
-    p8 = _through(p, _e4m3_round(p * FP8_MAX) / FP8_MAX)
+    p8 = _through(p, _e4m3_round(p * P_SCALE.value) / P_SCALE.value)
     out = torch.matmul(p8, vt) / torch.where(l > 0, l, torch.ones_like(l))
     lse = torch.where(l[..., 0] > 0, (m + torch.log(l))[..., 0], torch.full_like(l[..., 0], float("-inf")))
     return out.transpose(1, 2).to(q.dtype), lse
