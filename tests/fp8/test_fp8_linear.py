@@ -249,14 +249,16 @@ def frames(exc, n=4):
                        for f in reversed(tb[-n:]))
 
 
-def train_step(f, x, dy):
-    """One forward + backward + Fp8State.step; returns (y, None) or (None, 'phase: error at frames')."""
+def train_step(f, x, dy, autocast=False):
+    """One forward (under bf16 autocast if asked) + backward + Fp8State.step; returns (y, None) or
+    (None, 'phase: error at frames')."""
     phase = "forward"
     try:
         x.grad, f.weight.grad = None, None
         if f.bias is not None:
             f.bias.grad = None
-        y = f(x)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = f(x)
         phase = "backward"
         y.backward(dy)
         phase = "Fp8State.step"
@@ -266,7 +268,7 @@ def train_step(f, x, dy):
         return None, f"{phase} raised {type(e).__name__}: {str(e).strip().splitlines()[0][:200]} at {frames(e)}"
 
 
-def host_syncs_in_step(f, x, dy):
+def host_syncs_in_step(f, x, dy, autocast=False):
     """Runs one step with torch's sync debug mode at "warn" (every synchronizing call is recorded with its
     Python line; those inside backward are replayed at the backward call), then one at "error" if any was
     seen (the raise gives the first one's stack). Returns a list of findings, empty when nothing synced."""
@@ -275,7 +277,7 @@ def host_syncs_in_step(f, x, dy):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _, err = train_step(f, x, dy)
+            _, err = train_step(f, x, dy, autocast)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -287,7 +289,7 @@ def host_syncs_in_step(f, x, dy):
     if found:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            _, err = train_step(f, x, dy)
+            _, err = train_step(f, x, dy, autocast)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
@@ -295,22 +297,29 @@ def host_syncs_in_step(f, x, dy):
     return found
 
 
-def real_size_report(M, K, N, bias, scaling, device):
-    """Four training steps of one Fp8Linear (step 1 current-scales, step 2 compiles and autotunes the
-    delayed casts, step 3 is measured, step 4 on CUDA is watched for host syncs); returns problems."""
+def real_size_report(M, K, N, bias, scaling, device, trainer_dtypes=False):
+    """Four training steps of one Fp8Linear (step 1 current-scales, step 2 compiles the delayed casts, step
+    3 is measured, step 4 on CUDA is watched for host syncs); returns problems. trainer_dtypes: as in
+    tilewise.train, fp32 weights and input (the first layer of a block reads the fp32 residual stream) under
+    bf16 autocast, so y is bf16 and dx, dW fp32; else everything bf16."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(K, N, bias=bias, device=device, dtype=torch.bfloat16)
+    master = torch.float32 if trainer_dtypes else torch.bfloat16
+    lin = torch.nn.Linear(K, N, bias=bias, device=device, dtype=master)
     if bias:
         with torch.no_grad():
             lin.bias.uniform_(-1, 1)
     f = Fp8Linear.from_linear(lin, recipe=scaling)
-    xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16).requires_grad_(True) for _ in range(3)]
+    xs = [torch.randn(M, K, device=device, dtype=master).requires_grad_(True) for _ in range(3)]
     dy = torch.randn(M, N, device=device, dtype=torch.bfloat16) * 1e-4
     problems = []
     for i, x in enumerate(xs):
-        y, err = train_step(f, x, dy)
+        y, err = train_step(f, x, dy, trainer_dtypes)
         if err:
             return [f"step {i + 1}: {err}"]
+    want = {"y": torch.bfloat16, "dx": master, "dW": master}
+    got = {"y": y.dtype, "dx": xs[-1].grad.dtype, "dW": f.weight.grad.dtype}
+    if got != want:
+        problems.append(f"dtypes {got}, expected {want}")
     x64, w64, dy64 = xs[-1].detach().double(), lin.weight.detach().double(), dy.double()
     b64 = lin.bias.detach().double() if bias else 0
     # each bound: min(1.25 x the combined quantization error of this step's own operands, the FP8 cap)
@@ -331,7 +340,7 @@ def real_size_report(M, K, N, bias, scaling, device):
     if st.skipped.sum().item():
         problems.append(f"skipped updates {st.skipped.tolist()}")
     if device == "cuda":
-        problems += [f"host sync: {s}" for s in host_syncs_in_step(f, xs[0], dy)]
+        problems += [f"host sync: {s}" for s in host_syncs_in_step(f, xs[0], dy, trainer_dtypes)]
     if fp8_cast_fallbacks():
         problems.append(f"cast kernels replaced by slower paths: {fp8_cast_fallbacks()}")
     if problems:  # the context for reading them: every measurement, and bf16 nn.Linear's forward error
@@ -341,18 +350,80 @@ def real_size_report(M, K, N, bias, scaling, device):
     return problems
 
 
-@pytest.mark.parametrize("scaling", ["delayed", "current"])
-def test_real_size_report_on_small_sizes(scaling):
+@pytest.mark.parametrize("trainer_dtypes", [False, True])
+@pytest.mark.parametrize("scaling", ["delayed", "current", "blockwise"])
+def test_real_size_report_on_small_sizes(scaling, trainer_dtypes):
     """The gpu test's own machinery, run here at toy sizes through the interpreter."""
+    K, N = (128, 256) if scaling == "blockwise" else (32, 64)
     with ops.use("triton"):
-        problems = real_size_report(48, 32, 64, True, scaling, "cpu")
+        problems = real_size_report(48, K, N, True, scaling, "cpu", trainer_dtypes)
     assert not problems, "; ".join(problems)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("trainer_dtypes", [False, True])
+@pytest.mark.parametrize("scaling", ["delayed", "current", "blockwise"])
 @pytest.mark.parametrize("shape", [(16384, 4096, 14336, False), (16384, 768, 2304, True), (8192, 2048, 2048, True)])
-def test_gpu_real_sizes_and_no_host_sync(scaling, shape):
+def test_gpu_real_sizes_and_no_host_sync(scaling, shape, trainer_dtypes):
     M, K, N, bias = shape
-    problems = real_size_report(M, K, N, bias, scaling, "cuda")
-    assert not problems, f"{scaling} {shape}: " + " | ".join(problems)
+    problems = real_size_report(M, K, N, bias, scaling, "cuda", trainer_dtypes)
+    assert not problems, f"{scaling} {shape} trainer_dtypes={trainer_dtypes}: " + " | ".join(problems)
+
+
+def poisoned_allocator(nbytes, device="cuda"):
+    """Leave NaN in the caching allocator's free blocks, so an output that is read before it is written (a
+    GEMM that reads C with beta = 0) shows NaN."""
+    junk = torch.full((nbytes // 4,), float("nan"), device=device)
+    del junk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_scaled_mm_outputs_agree_with_dequantized_product(out_dtype):
+    """torch._scaled_mm's fp32 and bf16 outputs (E4M3 x E4M3 and E5M2 x E4M3, tensorwise) against the fp32
+    product of the dequantized operands, on output memory left full of NaN. Fp8Linear widens bf16 results
+    rather than asking for fp32 (WIDEN_FP32_RESULTS); this tells whether it has to."""
+    torch.manual_seed(0)
+    problems = []
+    for M, K, N in ((2048, 512, 1536), (4096, 2048, 512)):
+        for a_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            a = torch.randn(M, K, device="cuda").to(a_dtype)
+            b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn)
+            sa, sb = torch.tensor([0.37], device="cuda"), torch.tensor([1.9], device="cuda")
+            want = (a.float() * sa) @ (b.float() * sb).t()
+            poisoned_allocator(64 << 20)
+            y = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+            err = rel(y, want)
+            if not torch.isfinite(y).all() or not err < 1e-2:
+                problems.append(f"{a_dtype} ({M},{K},{N}): finite={bool(torch.isfinite(y).all())} rel err {err:.3g}")
+    assert not problems, f"out_dtype {out_dtype}: " + "; ".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 768, 384), (4096, 2048, 6144), (512, 3072, 768)])
+def test_gpu_blockwise_gemms_match_dequantized_products(shape):
+    """The three GEMMs of the blockwise recipe, each operand from the block cast in the layout Fp8Linear
+    passes, against the fp32 product of the dequantized copies: a wrong scale layout is off by O(1).
+    K = 768 is 6 blocks (not a multiple of 4, where 128x128 grids would need padding)."""
+    from tilewise.fp8.linear import _gemm_blockwise
+    from tilewise.ops.fp8_cast import block_dequantize_reference as deq
+    from tilewise.ops.fp8_cast import fp8_block_cast
+    M, K, N = shape
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, K, device="cuda")
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 1e-4
+    x8, xs, x8t, xts = fp8_block_cast(x, E4M3, transpose=True)
+    w8, ws, w8t, wts = fp8_block_cast(w, E4M3, transpose=True)
+    dy8, dys, dy8t, dyts = fp8_block_cast(dy, torch.float8_e5m2, transpose=True)
+    problems = []
+    for name, a, b, sa, sb, want in (
+            ("forward", x8, w8.t(), xs, ws, deq(x8, xs) @ deq(w8, ws).t()),
+            ("dgrad", dy8, w8t.t(), dys, wts, deq(dy8, dys) @ deq(w8t, wts).t()),
+            ("wgrad", dy8t, x8t.t(), dyts, xts, deq(dy8t, dyts) @ deq(x8t, xts).t())):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            y = _gemm_blockwise(a, b, sa, sb, out_dtype)
+            err = rel(y, want)
+            if y.dtype != out_dtype or not err < 1e-2:
+                problems.append(f"{name} {out_dtype}: rel err {err:.3g} vs the dequantized product")
+    assert not problems, f"{shape}: " + "; ".join(problems)

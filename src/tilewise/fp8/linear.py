@@ -13,11 +13,12 @@ Each copy comes with the inverse scales _scaled_mm multiplies back in:
   contraction dimension, which also keeps clear of the 128x128 scale grid's padding rules (its leading
   dimension rounded up to 4 blocks in cuBLAS, checked differently across torch versions). Row counts are
   padded to a multiple of 128 so every block of the weight-gradient contraction is whole.
-Fast accumulation only in the per-tensor forward GEMM. The weight is cast once per optimizer step: the copy
-(and the bias in the output dtype) is cached under (weight._version, data pointer, state generation), so a
-micro-batch reuses it, and Fp8State.step() or any in-place change of the weight (optimizer.step,
-load_state_dict) makes the next forward cast again. The layer saves x8t (1 byte per element) for backward
-instead of x.
+Fast accumulation only in the per-tensor forward GEMM. GEMM results wanted in fp32 (the weight gradient of
+fp32 master weights, dx of an fp32 input) come out of the GEMM in bf16 and are widened (WIDEN_FP32_RESULTS).
+The weight is cast once per optimizer step: the copy (and the bias in the output dtype) is cached under
+(weight._version, data pointer, state generation), so a micro-batch reuses it, and Fp8State.step() or any
+in-place change of the weight (optimizer.step, load_state_dict) makes the next forward cast again. The layer
+saves x8t (1 byte per element) for backward instead of x.
 """
 from __future__ import annotations
 
@@ -82,23 +83,30 @@ def _widen(y, out_dtype, bias):
     return torch.add(bias, y) if bias is not None else y.to(out_dtype)
 
 
+# fp32 GEMM results are computed in bf16 and widened (see _gemm_per_tensor). bench/fp8.py --diagnose-nan
+# turns this off to try torch._scaled_mm's own fp32 output on the GPU.
+WIDEN_FP32_RESULTS = True
+
+
 def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
     """An fp32 result (the weight gradient of fp32 master weights, dx of an fp32 input) is computed in bf16
     and widened: the rounding adds 2^-9 relative error per element, far below the FP8 operands' ~2^-4, halves
     the GEMM's writes, and keeps to the 16-bit outputs that the GPU tests cover."""
-    if out_dtype == torch.float32:
+    if out_dtype == torch.float32 and WIDEN_FP32_RESULTS:
         y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), out_dtype=torch.bfloat16,
                              use_fast_accum=fast_accum)
         return _widen(y, out_dtype, bias)
-    return torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+    fused = bias is not None and out_dtype != torch.float32  # _scaled_mm adds a bias to 16-bit outputs only
+    y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), bias=bias if fused else None,
+                         out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return y.add_(bias) if bias is not None and not fused else y
 
 
 def _gemm_blockwise(a, b, a_scales, b_scales, out_dtype, bias=None, fast_accum=False):
     """a_scales (cols/128, rows of a) and b_scales (cols/128, rows of b.t()) as the casts store them. On CUDA
     torch._scaled_mm with 1x128 x 1x128 block scales (16-bit output, widened as in _gemm_per_tensor; the
     bias added after); elsewhere (no CPU kernel) the same product of the dequantized operands in fp32."""
-    gemm_dtype = out_dtype if out_dtype != torch.float32 else torch.bfloat16
+    gemm_dtype = torch.bfloat16 if out_dtype == torch.float32 and WIDEN_FP32_RESULTS else out_dtype
     if not a.is_cuda:
         y = block_dequantize_reference(a, a_scales) @ block_dequantize_reference(b.t(), b_scales).t()
         return _widen(y.to(gemm_dtype), out_dtype, bias)
@@ -126,19 +134,19 @@ class _Fp8LinearFn(torch.autograd.Function):
         # needs_input_grad ignores no_grad mode: without grad the transposed copies are not made
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
-        w8, w_s, w8t, w_ts = layer._weight_fp8(need_t=need_dx)
+        w8_t, w_s, w8t_t, w_ts = layer._weight_fp8(need_t=need_dx)  # the copies as GEMM operands (.t() views)
         x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw)
-        y = gemm(x8, w8.t(), x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
+        y = gemm(x8, w8_t, x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
         if pad:
             y = y[:M]
-        ctx.save_for_backward(x8t, x_ts, w8t, w_ts)
+        ctx.save_for_backward(x8t, x_ts, w8t_t, w_ts)
         ctx.layer, ctx.M, ctx.pad, ctx.x_shape, ctx.x_dtype = layer, M, pad, x.shape, x.dtype
         ctx.w_dtype = weight.dtype
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, x_ts, w8t, w_ts = ctx.saved_tensors
+        x8t, x_ts, w8t_t, w_ts = ctx.saved_tensors
         layer = ctx.layer
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
@@ -151,7 +159,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             sums = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device) if want_db else None
             dy8, dy_s, dy8t, dy_ts = layer._cast(layer.fp8_state, layer.fp8_slot + 2, dy2, need_dx, need_dw, sums)
             if need_dx:
-                dx = layer._gemm(dy8, w8t.t(), dy_s, w_ts, ctx.x_dtype)
+                dx = layer._gemm(dy8, w8t_t, dy_s, w_ts, ctx.x_dtype)
                 if ctx.pad:
                     dx = dx[:ctx.M]
                 dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
@@ -220,13 +228,15 @@ class Fp8Linear(nn.Linear):
         self.__dict__["_b_cache"] = None
 
     def _weight_fp8(self, need_t: bool):
-        """(W8, its scales, W8t or None, its scales or None), cast once per optimizer step."""
+        """(W8.t(), its scales, W8t.t() or None, its scales or None): the copies as the GEMMs' right
+        operands (column-major views, made once), cast once per optimizer step."""
         w = self.weight
         key = (w._version, w.data_ptr(), self.fp8_state.generation)
         c = self._w_cache
         if c is not None and c[0] == key and (c[1][2] is not None or not need_t):
             return c[1]
-        q = self._cast(self.fp8_state, self.fp8_slot + 1, w, True, need_t)
+        w8, ws, w8t, wts = self._cast(self.fp8_state, self.fp8_slot + 1, w, True, need_t)
+        q = (w8.t(), ws, w8t.t() if w8t is not None else None, wts)
         self.__dict__["_w_cache"] = (key, q)
         return q
 

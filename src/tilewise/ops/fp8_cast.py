@@ -225,10 +225,6 @@ assert all(bm % _SUB_M == 0 for bm, _, _ in _CAST_CONFIGS) and BLOCK % _SUB_M ==
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it at decoration
 
 
-def _interpreting() -> bool:
-    return _INTERPRET
-
-
 def _on_gpu(x) -> bool:
     return x.is_cuda and not _INTERPRET
 
