@@ -50,21 +50,28 @@ def fp8_compatible(linear: nn.Linear, recipe: Fp8Recipe | str = "delayed") -> bo
 # ----------------------------------------------------------------------------------------------------
 # Casts: each returns (q, q_scales, q_t, q_t_scales); a copy not asked for is None
 # ----------------------------------------------------------------------------------------------------
-def _cast_per_tensor(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums=None):
+# The GEMM operand roles of each tensor's (row-major copy, transposed copy), so the casts write them in the
+# layout torch._scaled_mm(a, b) takes (see tilewise.ops.fp8_cast): x8 is the forward's a and x8t (viewed
+# transposed) the weight gradient's b; W8 and W8t are b's; dy8 and dy8t are a's.
+_X_ROLES, _W_ROLES, _DY_ROLES = ("a", "b"), ("b", "b"), ("a", "a")
+
+
+def _cast_per_tensor(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles):
     """One inverse scale (a 16-byte aligned one-element view) serves both copies."""
     scale, scale_inv, amax_i32 = state.views(slot)
     if state.current or not state.warm:  # until the first step() fills the history, current scaling
         y, yt, scratch = cast_current(x2, state.dtypes[slot], scale, state.recipe.margin, amax_i32, rowwise,
-                                      transpose, col_sums=col_sums)
+                                      transpose, col_sums=col_sums, roles=roles)
         inv = scratch[SCALE_INV_OFFSET:SCALE_INV_OFFSET + 1]
         return y, inv, yt, inv
-    y, yt = cast_delayed(x2, state.dtypes[slot], scale, amax_i32, rowwise, transpose, col_sums=col_sums)
+    y, yt = cast_delayed(x2, state.dtypes[slot], scale, amax_i32, rowwise, transpose, col_sums=col_sums,
+                         roles=roles)
     return y, scale_inv, yt, scale_inv
 
 
-def _cast_blockwise(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums=None):
-    """Inverse scales per 1x128 segment, stored (cols/128, rows) per copy (see tilewise.ops.fp8_cast)."""
-    return cast_block(x2, state.dtypes[slot], state.views(slot)[2], rowwise, transpose, col_sums)
+def _cast_blockwise(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles):
+    """Inverse scales per 1x128 segment, laid out for each copy's role (see tilewise.ops.fp8_cast)."""
+    return cast_block(x2, state.dtypes[slot], state.views(slot)[2], rowwise, transpose, col_sums, roles)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -103,15 +110,16 @@ def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False)
 
 
 def _gemm_blockwise(a, b, a_scales, b_scales, out_dtype, bias=None, fast_accum=False):
-    """a_scales (cols/128, rows of a) and b_scales (cols/128, rows of b.t()) as the casts store them. On CUDA
-    torch._scaled_mm with 1x128 x 1x128 block scales (16-bit output, widened as in _gemm_per_tensor; the
-    bias added after); elsewhere (no CPU kernel) the same product of the dequantized operands in fp32."""
+    """a_scales (rows of a, cols/128) outer-dim-major and b_scales (cols/128, rows of b.t()), as the casts lay
+    them out for the roles "a" and "b". On CUDA torch._scaled_mm with 1x128 x 1x128 block scales (16-bit
+    output, widened as in _gemm_per_tensor; the bias added after); elsewhere (no CPU kernel) the same product
+    of the dequantized operands in fp32."""
     gemm_dtype = torch.bfloat16 if out_dtype == torch.float32 and WIDEN_FP32_RESULTS else out_dtype
     if not a.is_cuda:
-        y = block_dequantize_reference(a, a_scales) @ block_dequantize_reference(b.t(), b_scales).t()
+        y = block_dequantize_reference(a, a_scales.t()) @ block_dequantize_reference(b.t(), b_scales).t()
         return _widen(y.to(gemm_dtype), out_dtype, bias)
     try:
-        y = torch._scaled_mm(a, b, scale_a=a_scales.t(), scale_b=b_scales, out_dtype=gemm_dtype)
+        y = torch._scaled_mm(a, b, scale_a=a_scales, scale_b=b_scales, out_dtype=gemm_dtype)
     except (RuntimeError, NotImplementedError) as e:
         raise RuntimeError(f"FP8 recipe 'blockwise' needs torch._scaled_mm with 1x128 block scales (sm90 and "
                            f"cuBLAS >= 12.9); here it failed: {type(e).__name__}: {e}") from e
@@ -134,19 +142,19 @@ class _Fp8LinearFn(torch.autograd.Function):
         # needs_input_grad ignores no_grad mode: without grad the transposed copies are not made
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
-        w8_t, w_s, w8t_t, w_ts = layer._weight_fp8(need_t=need_dx)  # the copies as GEMM operands (.t() views)
-        x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw)
-        y = gemm(x8, w8_t, x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
+        w8, w_s, w8t, w_ts = layer._weight_fp8(need_t=need_dx)
+        x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw, None, _X_ROLES)
+        y = gemm(x8, w8, x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
         if pad:
             y = y[:M]
-        ctx.save_for_backward(x8t, x_ts, w8t_t, w_ts)
+        ctx.save_for_backward(x8t, x_ts, w8t, w_ts)
         ctx.layer, ctx.M, ctx.pad, ctx.x_shape, ctx.x_dtype = layer, M, pad, x.shape, x.dtype
         ctx.w_dtype = weight.dtype
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, x_ts, w8t_t, w_ts = ctx.saved_tensors
+        x8t, x_ts, w8t, w_ts = ctx.saved_tensors
         layer = ctx.layer
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
@@ -157,14 +165,15 @@ class _Fp8LinearFn(torch.autograd.Function):
         if need_dx or need_dw:
             # the bias gradient comes from the same read of dy (pad rows are zero)
             sums = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device) if want_db else None
-            dy8, dy_s, dy8t, dy_ts = layer._cast(layer.fp8_state, layer.fp8_slot + 2, dy2, need_dx, need_dw, sums)
+            dy8, dy_s, dy8t, dy_ts = layer._cast(layer.fp8_state, layer.fp8_slot + 2, dy2, need_dx, need_dw, sums,
+                                                 _DY_ROLES)
             if need_dx:
-                dx = layer._gemm(dy8, w8t_t, dy_s, w_ts, ctx.x_dtype)
+                dx = layer._gemm(dy8, w8t, dy_s, w_ts, ctx.x_dtype)
                 if ctx.pad:
                     dx = dx[:ctx.M]
                 dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
             if need_dw:
-                dw = layer._gemm(dy8t, x8t.t(), dy_ts, x_ts, ctx.w_dtype)
+                dw = layer._gemm(dy8t, x8t, dy_ts, x_ts, ctx.w_dtype)
             if want_db:
                 db = sums.to(layer.bias.dtype)
         elif want_db:
@@ -228,15 +237,14 @@ class Fp8Linear(nn.Linear):
         self.__dict__["_b_cache"] = None
 
     def _weight_fp8(self, need_t: bool):
-        """(W8.t(), its scales, W8t.t() or None, its scales or None): the copies as the GEMMs' right
-        operands (column-major views, made once), cast once per optimizer step."""
+        """(W8, its scales, W8t or None, its scales or None), laid out as the GEMMs' right operands and cast
+        once per optimizer step."""
         w = self.weight
         key = (w._version, w.data_ptr(), self.fp8_state.generation)
         c = self._w_cache
         if c is not None and c[0] == key and (c[1][2] is not None or not need_t):
             return c[1]
-        w8, ws, w8t, wts = self._cast(self.fp8_state, self.fp8_slot + 1, w, True, need_t)
-        q = (w8.t(), ws, w8t.t() if w8t is not None else None, wts)
+        q = self._cast(self.fp8_state, self.fp8_slot + 1, w, True, need_t, None, _W_ROLES)
         self.__dict__["_w_cache"] = (key, q)
         return q
 

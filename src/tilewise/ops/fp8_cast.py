@@ -444,13 +444,6 @@ def _check_cast_args(x, fp8_dtype, scale, amax, rowwise, transpose, out, out_t, 
                              f"expected a contiguous {fp8_dtype} {shape} on {x.device}")
 
 
-def _alloc(x, fp8_dtype, rowwise, transpose, out=None, out_t=None):
-    M, N = x.shape
-    y = (out if out is not None else torch.empty((M, N), dtype=fp8_dtype, device=x.device)) if rowwise else None
-    yt = (out_t if out_t is not None else torch.empty((N, M), dtype=fp8_dtype, device=x.device)) if transpose else None
-    return y, yt
-
-
 def _as_int32(amax):
     return amax.view(torch.int32) if amax is not None else None
 
@@ -513,21 +506,59 @@ def current_scales(scratch: torch.Tensor) -> torch.Tensor:
 # Unchecked entry points for callers whose arguments are well-formed by construction (Fp8Linear calls these
 # on every step; the checks above cost more host time than the launch). amax_i32: the int32 view of a
 # float32 amax slot, or None.
-def cast_delayed(x, fp8_dtype, scale, amax_i32, rowwise, transpose, out=None, out_t=None, col_sums=None):
-    """(y, y_t) scaled by scale; see fp8_cast."""
-    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
+#
+# roles: how each copy (row-major, transposed) is handed to torch._scaled_mm(a, b), so that it comes out of
+# the cast in that layout, in one allocation and no view op a call. None: a plain (rows, cols) copy; "a": a
+# left operand, the row-major copy itself, its block scales an (rows, cols/128) outer-dim-major view of the
+# (cols/128, rows) buffer; "b": a right operand, the copy's transposed (column-major) view, its block scales
+# the (cols/128, rows) buffer. The kernels write memory, which is the same whatever the role.
+def _fp8_buffer(rows, cols, dtype, device, role):
+    if role == "b":
+        return torch.empty_strided((cols, rows), (1, cols), dtype=dtype, device=device)
+    return torch.empty((rows, cols), dtype=dtype, device=device)
+
+
+def _scale_buffer(rows, cols, device, role):
+    nb = cdiv(cols, BLOCK)
+    if role == "a":
+        return torch.empty_strided((rows, nb), (1, rows), dtype=torch.float32, device=device)
+    return torch.empty((nb, rows), dtype=torch.float32, device=device)
+
+
+def _rowmajor(t, role):
+    """The (rows, cols) row-major buffer behind a copy made for `role` (for the reference path's writes)."""
+    return t.t() if role == "b" and t is not None else t
+
+
+def _scales_rowmajor(t, role):
+    return t.t() if role == "a" and t is not None else t
+
+
+def _alloc(x, fp8_dtype, rowwise, transpose, out=None, out_t=None, roles=(None, None)):
+    M, N = x.shape
+    y = (out if out is not None else _fp8_buffer(M, N, fp8_dtype, x.device, roles[0])) if rowwise else None
+    yt = (out_t if out_t is not None else _fp8_buffer(N, M, fp8_dtype, x.device, roles[1])) if transpose else None
+    return y, yt
+
+
+def cast_delayed(x, fp8_dtype, scale, amax_i32, rowwise, transpose, out=None, out_t=None, col_sums=None,
+                 roles=(None, None)):
+    """(y, y_t) scaled by scale, laid out for roles; see fp8_cast."""
+    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t, roles)
     if use_triton(x) and x.numel() > 0 and _launch_cast(
             x.contiguous(), y, yt, scale, None, 0, amax_i32, col_sums, fp8_dtype, 0, current=False):
         return y, yt
-    return fp8_cast_reference(x, fp8_dtype, scale, amax=amax_i32.view(torch.float32) if amax_i32 is not None
-                              else None, rowwise=rowwise, transpose=transpose, out=y, out_t=yt, col_sums=col_sums)
+    fp8_cast_reference(x, fp8_dtype, scale, amax=amax_i32.view(torch.float32) if amax_i32 is not None else None,
+                       rowwise=rowwise, transpose=transpose, out=_rowmajor(y, roles[0]),
+                       out_t=_rowmajor(yt, roles[1]), col_sums=col_sums)
+    return y, yt
 
 
 def cast_current(x, fp8_dtype, fallback_scale, margin, amax_i32, rowwise, transpose, out=None, out_t=None,
-                 col_sums=None):
+                 col_sums=None, roles=(None, None)):
     """(y, y_t, scratch): scratch[0] the scale used, scratch[SCALE_INV_OFFSET] its inverse; see
     fp8_cast_current."""
-    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t)
+    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t, roles)
     scratch = current_scratch(x.device)
     if use_triton(x) and x.numel() > 0:
         xc = x.contiguous()
@@ -537,25 +568,25 @@ def cast_current(x, fp8_dtype, fallback_scale, margin, amax_i32, rowwise, transp
             return y, yt, scratch
     fp8_cast_current_reference(x, fp8_dtype, fallback_scale, margin=margin,
                                amax=amax_i32.view(torch.float32) if amax_i32 is not None else None,
-                               rowwise=rowwise, transpose=transpose, out=y, out_t=yt, col_sums=col_sums,
-                               scratch=scratch)
+                               rowwise=rowwise, transpose=transpose, out=_rowmajor(y, roles[0]),
+                               out_t=_rowmajor(yt, roles[1]), col_sums=col_sums, scratch=scratch)
     return y, yt, scratch
 
 
-def cast_block(x, fp8_dtype, amax_i32, rowwise, transpose, col_sums=None):
-    """(y, y_scales, y_t, y_t_scales); see fp8_block_cast."""
+def cast_block(x, fp8_dtype, amax_i32, rowwise, transpose, col_sums=None, roles=(None, None)):
+    """(y, y_scales, y_t, y_t_scales), laid out for roles; see fp8_block_cast."""
     M, N = x.shape
     dev = x.device
-    y = torch.empty((M, N), dtype=fp8_dtype, device=dev) if rowwise else None
-    yt = torch.empty((N, M), dtype=fp8_dtype, device=dev) if transpose else None
-    ys = torch.empty((cdiv(N, BLOCK), M), dtype=torch.float32, device=dev) if rowwise else None
-    yts = torch.empty((cdiv(M, BLOCK), N), dtype=torch.float32, device=dev) if transpose else None
-    if use_triton(x) and x.numel() > 0 and _launch_block_cast(x.contiguous(), y, yt, ys, yts, amax_i32, col_sums,
-                                                              fp8_dtype):
-        return y, ys, yt, yts
-    return fp8_block_cast_reference(x, fp8_dtype, amax=amax_i32.view(torch.float32) if amax_i32 is not None
-                                    else None, rowwise=rowwise, transpose=transpose, col_sums=col_sums,
-                                    outs=(y, ys, yt, yts))
+    y, yt = _alloc(x, fp8_dtype, rowwise, transpose, roles=roles)
+    ys = _scale_buffer(M, N, dev, roles[0]) if rowwise else None
+    yts = _scale_buffer(N, M, dev, roles[1]) if transpose else None
+    if not (use_triton(x) and x.numel() > 0 and _launch_block_cast(x.contiguous(), y, yt, ys, yts, amax_i32,
+                                                                   col_sums, fp8_dtype)):
+        fp8_block_cast_reference(
+            x, fp8_dtype, amax=amax_i32.view(torch.float32) if amax_i32 is not None else None, rowwise=rowwise,
+            transpose=transpose, col_sums=col_sums, outs=(_rowmajor(y, roles[0]), _scales_rowmajor(ys, roles[0]),
+                                                          _rowmajor(yt, roles[1]), _scales_rowmajor(yts, roles[1])))
+    return y, ys, yt, yts
 
 
 # ----------------------------------------------------------------------------------------------------
