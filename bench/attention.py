@@ -13,7 +13,15 @@ the time of every candidate of the three kernels ("tuning"). --sweep (or TILEWIS
 candidate lists (more compiles: use it with --quick, or a larger --budget). "details" also hold each
 provider's host time per call ("host_us"): when it exceeds the timed time, the shape is launch-bound.
 
-    PYTHONPATH=src python3 bench/attention.py --out DIR [--quick] [--sweep]
+FP8 (--fp8 adds it to a run, --fp8-only runs it alone): tilewise's fp8_flash_attention (plain and with the
+Hadamard rotation) against tilewise's bf16 kernel at head_dim 128, seqlen 4k and 16k, causal and not
+("fp8_rows": TFLOP/s with the same FLOP count as bf16, and fp8 / bf16), and an accuracy table
+("fp8_accuracy"): RMSE and relative error of O, dQ, dK, dV against float64 attention for the bf16 kernel,
+the naive per-tensor FP8 baseline, FP8 and FP8 + rotation, on Gaussian inputs, inputs with 4 channels per
+head x20, and FA3's outliers (N(0,1) + N(0,100) * Bernoulli(0.001)). --fp8-only merges its keys into an
+existing results/attention.json, keeping the bf16 rows.
+
+    PYTHONPATH=src python3 bench/attention.py --out DIR [--quick] [--sweep] [--fp8 | --fp8-only]
 """
 from __future__ import annotations
 
@@ -71,6 +79,11 @@ def parse_args(argv=None):
                    help="time the wider candidate lists (SWEEP) per shape (also TILEWISE_BENCH_SWEEP=1)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated indices into ALL_SHAPES, e.g. 0,6 (default: all, or the quick ones)")
+    p.add_argument("--fp8", action="store_true", help="also time FP8 attention and measure its accuracy")
+    p.add_argument("--fp8-only", action="store_true",
+                   help="only the FP8 rows and accuracy table (merged into an existing attention.json)")
+    p.add_argument("--fp8-budget", type=float, default=240.0,
+                   help="seconds for the FP8 section; shapes not started when it runs out are skipped")
     return p.parse_args(argv)
 
 
@@ -271,6 +284,197 @@ def memory_row(torch):
             "limit": 1.0, "within_limit": extra < 1.0 and ok, "finite": ok, "seconds": round(seconds, 2)}
 
 
+# ---------------------------------------------------------------------------------------------- FP8
+
+FP8_SHAPES = [(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True)]
+FP8_QUICK_SHAPES = FP8_SHAPES[:2]
+FP8_AGREE_TOL = 0.15  # relative difference of FP8 and bf16 outputs/gradients (each FP8 one ~5-7% from exact)
+FP8_ACCURACY_SHAPE = (1, 4096, 8, 128)  # batch, seqlen, heads, head_dim; causal; float64 reference on the GPU
+# --sweep: wider FP8 candidate lists (d128), (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FP8_SWEEP = {"fp8_fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4),
+                         (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 4, 3)],
+             "fp8_dkdv": [(32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                          (32, 128, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 32, 4, 3)],
+             "fp8_dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+                        (64, 64, 4, 4), (128, 32, 4, 3), (64, 128, 4, 3)]}
+
+
+def fp8_providers():
+    from tilewise.ops import flash_attention, fp8_flash_attention
+    return {"tilewise": lambda q, k, v, c: flash_attention(q, k, v, causal=c),
+            "tilewise_fp8": lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c),
+            "tilewise_fp8_rot": lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True)}
+
+
+def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, details):
+    """TFLOP/s of the bf16 and FP8 kernels (the FLOPs of bf16 attention; the FP8 calls include their
+    quantization passes), after checking each FP8 result against the bf16 kernel's."""
+    heads, batch = WIDTH // head_dim, TOKENS // seqlen
+    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal}
+    gen = torch.Generator(device=DEVICE).manual_seed(seqlen + head_dim + causal)
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for _ in range(3))
+    dout = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    fwd_flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    seen = {kern: len(rows) for kern, rows in f8.tuning_report().items()}
+    results, notes, diffs = {"fwd": {}, "bwd": {}}, {}, {}
+    ref = None
+    for name, fn in provs.items():
+        try:
+            got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes before timing
+            if ref is None:
+                ref = got
+            else:
+                diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
+                diffs[name] = round(diff, 5)
+                if not diff < FP8_AGREE_TOL:
+                    notes[name] = f"differs from the bf16 kernel by {diff:.3g}, not timed"
+                    continue
+            ms_f = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=rep, return_mode="median")
+            out = fn(q, k, v, causal)
+            ms_b = triton.testing.do_bench(functools.partial(out.backward, dout, retain_graph=True), warmup=25,
+                                           rep=rep, grad_to_none=[q, k, v], return_mode="median")
+            del out
+        except Exception as e:  # recorded, so the other providers and shapes still run
+            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        results["fwd"][name] = fwd_flops / (ms_f * 1e-3) / 1e12
+        results["bwd"][name] = 2.5 * fwd_flops / (ms_b * 1e-3) / 1e12
+    tuned = {kern: entries[seen.get(kern, 0):] for kern, entries in f8.tuning_report().items()}
+    rows = []
+    for direction in ("fwd", "bwd"):
+        vals = results[direction]
+        row = {"shape": {**shape, "pass": direction}, "unit": "TFLOP/s"}
+        for name in provs:
+            row[name] = round(vals[name], 1) if name in vals else None
+        base = vals.get("tilewise")
+        for name in ("tilewise_fp8", "tilewise_fp8_rot"):
+            row[f"ratio_{name}"] = round(vals[name] / base, 3) if base and name in vals else None
+        if diffs:
+            row["rel_diff_vs_bf16"] = diffs
+        if notes:
+            row["notes"] = notes
+        rows.append(row)
+        kernels = ("fp8_fwd",) if direction == "fwd" else ("fp8_dkdv", "fp8_dq")
+        details.append({"shape": row["shape"], "tuning": {kern: tuned[kern] for kern in kernels if tuned.get(kern)}})
+    return rows
+
+
+def fp8_inputs(torch, kind, batch, seqlen, heads, head_dim, seed=0):
+    """q, k, v, dout (bf16, on the GPU) of one input class."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (batch, seqlen, heads, head_dim)
+    q, k, v, dout = (torch.randn(shape, device=DEVICE, generator=gen) for _ in range(4))
+    if kind == "channels_x20":  # 4 channels per head, the same in q, k and v, scaled x20
+        for h in range(heads):
+            ch = torch.randperm(head_dim, device=DEVICE, generator=gen)[:4]
+            for t in (q, k, v):
+                t[:, :, h, ch] *= 20
+    elif kind == "fa3_outliers":  # N(0,1) + N(0,100) * Bernoulli(0.001), elementwise
+        for t in (q, k, v):
+            t += 10 * torch.randn(shape, device=DEVICE, generator=gen) * (torch.rand(shape, device=DEVICE,
+                                                                                    generator=gen) < 1e-3)
+    return [t.to(torch.bfloat16) for t in (q, k, v, dout)]
+
+
+def fp8_accuracy(torch):
+    """Errors of O and the three gradients against float64 attention, per method and input class."""
+    from tilewise.ops import flash_attention, fp8_flash_attention
+    from tilewise.ops.attention import _dense_attention
+    from tilewise.ops.fp8_attention import naive_fp8_attention
+    batch, seqlen, heads, head_dim = FP8_ACCURACY_SHAPE
+    methods = {"bf16": lambda *t: flash_attention(*t, causal=True),
+               "naive_per_tensor_fp8": lambda *t: naive_fp8_attention(*t, causal=True),
+               "fp8": lambda *t: fp8_flash_attention(*t, causal=True),
+               "fp8_rotate": lambda *t: fp8_flash_attention(*t, causal=True, rotate=True)}
+    table = []
+    for kind in ("gaussian", "channels_x20", "fa3_outliers"):
+        q, k, v, dout = fp8_inputs(torch, kind, batch, seqlen, heads, head_dim)
+        xs = [t.double().requires_grad_() for t in (q, k, v)]
+        out = _dense_attention(*xs, True, head_dim ** -0.5, None)[0]
+        out.backward(dout.double())
+        ref = [out.detach()] + [x.grad for x in xs]
+        del xs, out
+        torch.cuda.empty_cache()
+        row = {"inputs": kind, "shape": {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim,
+                                         "causal": True}, "rmse": {}, "rel": {}}
+        for name, fn in methods.items():
+            try:
+                got = run_once(lambda a, b, c, causal: fn(a, b, c), *[t.clone().requires_grad_() for t in (q, k, v)],
+                               True, dout)
+            except Exception as e:
+                row.setdefault("notes", {})[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            row["rmse"][name] = {n: float(f"{(x.double() - r).pow(2).mean().sqrt().item():.4g}")
+                                 for n, x, r in zip(("o", "dq", "dk", "dv"), got, ref)}
+            row["rel"][name] = {n: float(f"{((x.double() - r).norm() / r.norm()).item():.4g}")
+                                for n, x, r in zip(("o", "dq", "dk", "dv"), got, ref)}
+        naive = row["rmse"].get("naive_per_tensor_fp8", {}).get("o")
+        for name in ("fp8", "fp8_rotate"):
+            mine = row["rmse"].get(name, {}).get("o")
+            row[f"naive_over_{name}_o"] = round(naive / mine, 3) if naive and mine else None
+        table.append(row)
+        del ref
+        torch.cuda.empty_cache()
+    return table
+
+
+def run_fp8(torch, triton, args, t0):
+    """The FP8 section: (rows, accuracy, details)."""
+    from tilewise.ops import fp8_attention as f8
+    if args.sweep:
+        for kern, configs in FP8_SWEEP.items():
+            f8.set_candidates(kern, configs, 128)
+    provs = fp8_providers()
+    rows, details = [], []
+    start = time.monotonic()
+    for head_dim, seqlen, causal in (FP8_QUICK_SHAPES if args.quick else FP8_SHAPES):
+        if time.monotonic() - start > args.fp8_budget:
+            for direction in ("fwd", "bwd"):
+                rows.append({"shape": {"batch": TOKENS // seqlen, "seqlen": seqlen, "heads": WIDTH // head_dim,
+                                       "head_dim": head_dim, "causal": causal, "pass": direction},
+                             "unit": "TFLOP/s", "skipped": f"--fp8-budget {args.fp8_budget:.0f}s spent"})
+            continue
+        rows += bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, args.rep, details)
+        print(f"[{time.monotonic() - t0:6.1f}s] fp8 d={head_dim} N={seqlen} causal={causal} done", flush=True)
+        torch.cuda.empty_cache()
+    try:
+        accuracy = fp8_accuracy(torch)
+    except Exception as e:  # the timing rows still reach the JSON
+        accuracy = [{"error": f"{type(e).__name__}: {str(e)[:300]}"}]
+    print(f"[{time.monotonic() - t0:6.1f}s] fp8 accuracy done", flush=True)
+    return rows, accuracy, details
+
+
+def fp8_table(rows, accuracy):
+    cols = ["tilewise", "tilewise_fp8", "tilewise_fp8_rot"]
+    fmt = lambda x, w=10: f"{x:>{w}.1f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+    fmr = lambda x: f"{x:>9.2f}" if isinstance(x, (int, float)) else f"{'-':>9}"  # noqa: E731
+    lines = ["attention FP8 vs bf16 (tilewise), TFLOP/s",
+             f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} {'bf16':>10} {'fp8':>10} {'fp8+rot':>10} {'x fp8':>9} {'x rot':>9}"]
+    for r in rows:
+        s = r["shape"]
+        if r.get("skipped"):
+            lines.append(f"{s['head_dim']:>4} {s['seqlen']:>6} {str(s['causal']):>6} {s['pass']:>5} skipped")
+            continue
+        lines.append(f"{s['head_dim']:>4} {s['seqlen']:>6} {str(s['causal']):>6} {s['pass']:>5} "
+                     + " ".join(fmt(r.get(c)) for c in cols)
+                     + f" {fmr(r.get('ratio_tilewise_fp8'))} {fmr(r.get('ratio_tilewise_fp8_rot'))}")
+        for name, note in (r.get("notes") or {}).items():
+            lines.append(f"{'':>24}{name}: {note}")
+    lines.append("attention FP8 accuracy vs float64, causal, RMSE (relative error) of o / dq / dk / dv")
+    for row in accuracy:
+        if "error" in row:
+            lines.append(f"  failed: {row['error']}")
+            continue
+        lines.append(f"  {row['inputs']} {row['shape']}: naive/fp8 {row.get('naive_over_fp8_o')}, "
+                     f"naive/fp8+rot {row.get('naive_over_fp8_rotate_o')} (output RMSE)")
+        for name, errs in row["rmse"].items():
+            rel = row["rel"][name]
+            lines.append(f"    {name:>22}: " + "  ".join(f"{n} {errs[n]:.3g} ({rel[n]:.3g})" for n in errs))
+    return "\n".join(lines)
+
+
 def table(rows):
     cols = ["tilewise", "tilewise_ptr", "sdpa_flash", "sdpa_cudnn", "flex"]
     head = f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} " + " ".join(f"{c:>12}" for c in cols) + \
@@ -334,6 +538,8 @@ def main(argv=None):
         return 2
     from tilewise.ops import attention as attn
     t0 = time.monotonic()
+    if args.fp8_only:
+        return main_fp8_only(torch, triton, args, t0)
     if args.sweep:
         for kern, classes in SWEEP.items():
             for head_dim, configs in classes.items():
@@ -373,20 +579,63 @@ def main(argv=None):
               "seconds": round(time.monotonic() - t0, 1), "sweep": args.sweep,
               "tma_fallbacks": [{"kernel": k, "key": str(key), "error": e} for k, key, e in attn.fallbacks],
               "rows": rows, "details": details}
+    fp8 = None
+    if args.fp8:
+        fp8 = run_fp8(torch, triton, args, t0)
+        result.update(fp8_result(torch, triton, fp8, attn))
+    write_results(result, args.out)
+    print("\n".join(tuning_lines(details)))
+    for k, key, e in attn.fallbacks:
+        print(f"TMA fallback: {k} {key}: {e}")
+    print(table(rows))
+    if fp8 is not None:
+        print(fp8_table(fp8[0], fp8[1]))
+    return 0
+
+
+def fp8_result(torch, triton, fp8, attn):
+    rows, accuracy, details = fp8
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+    return {"fp8_env": env, "fp8_rows": rows, "fp8_accuracy": accuracy, "fp8_details": details,
+            "fp8_tma_fallbacks": [{"kernel": k, "key": str(key), "error": e} for k, key, e in attn.fallbacks
+                                  if k.startswith("fp8")]}
+
+
+def write_results(result, out):
     text = json.dumps(result, indent=1)
     targets = [Path(__file__).resolve().parent / "results"]
-    if args.out is not None:
-        targets.append(args.out)
+    if out is not None:
+        targets.append(out)
     for d in targets:
         try:
             d.mkdir(parents=True, exist_ok=True)
             (d / "attention.json").write_text(text + "\n")
         except OSError as e:
             print(f"could not write {d / 'attention.json'}: {e}", file=sys.stderr)
-    print("\n".join(tuning_lines(details)))
-    for k, key, e in attn.fallbacks:
-        print(f"TMA fallback: {k} {key}: {e}")
-    print(table(rows))
+
+
+def main_fp8_only(torch, triton, args, t0):
+    """The FP8 section alone, merged into the existing results/attention.json (its bf16 rows kept)."""
+    from tilewise.ops import attention as attn
+    existing = Path(__file__).resolve().parent / "results" / "attention.json"
+    try:
+        result = json.loads(existing.read_text())
+    except (OSError, ValueError):
+        result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "triton": triton.__version__, "commit": git_commit(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": []}
+    fp8 = run_fp8(torch, triton, args, t0)
+    result.update(fp8_result(torch, triton, fp8, attn))
+    write_results(result, args.out)
+    for entry in fp8[2]:
+        for kern, keys in entry["tuning"].items():
+            for e in keys:
+                times = sorted((v, c) for c, v in e["ms"].items() if isinstance(v, float))
+                failed = {c: v for c, v in e["ms"].items() if isinstance(v, str)}
+                print(f"  {entry['shape']} {kern}: chosen {e['chosen']}, best {times[:3]}"
+                      + (f", failed {failed}" if failed else ""))
+    print(fp8_table(fp8[0], fp8[1]))
     return 0
 
 

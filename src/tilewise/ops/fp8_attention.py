@@ -2,56 +2,62 @@
 
 fp8_flash_attention(q, k, v, ...) has flash_attention's interface (bf16/fp16/fp32 inputs and outputs, causal,
 windows, GQA, packed varlen, return_lse) plus `rotate`. It is a sibling rather than a flag of
-flash_attention because its numbers are different (about 5% relative error against 0.4% for bf16), so a
-caller opts in by name, and because it has its own kernels, tuning keys and custom ops.
+flash_attention because its numbers differ (~5% relative error against ~0.4% for bf16: a caller opts in by
+name) and it has its own kernels, tuning keys and custom ops.
 
-Scales (an E4M3 value has 3 mantissa bits: relative rounding error up to 2^-4 whatever the scale, so a scale
-exists to keep values inside [2^-9, 448], not to add precision):
-- Q and dO: one scale per row (token, head), amax of the row -> 448. A row scale of the left operand of
-  S = Q K^T or dP = dO V^T is a row scale of the product, folded into the FMA that already scales each
-  score, so it is free; and it depends on the row alone, so the forward (which quantizes its Q tile in
-  registers) and the backward (which quantizes Q in a pass) get the same bits whatever their tiles.
-- K and V: one scale per block of KV_BLOCK (128) rows of one head of one sequence. Every key tile lies in
-  one block, so its scale is a scalar per tile: multiplied into the row factor of S; for V, the running
-  output is kept in units of the current block's scale and rescaled with the softmax correction.
-- P = exp(S - running max) lies in [0, 1]: cast as P * 448 (an unscaled cast would flush p < 2^-9 to 0),
-  the 1/448 folded into the output.
-- Backward GEMM operands dS, P^T diag(dO scales): per output row, against a running row maximum (the
-  accumulator is rescaled when it grows, as in online softmax), so no value overflows and tiles with small
-  entries keep their precision. Measured on the float64 emulation at N=4096, d=128 (Gaussian): a fixed
-  448 scale for P^T gave dV 5.2% error, the running row scale 5.0%; P is normalized in the backward and
-  entries near 1/N become E4M3 subnormals under a fixed scale as N grows.
-- K and V are quantized by one extra pass per call (reads them once in bf16, writes FP8, V transposed):
-  FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles inside the
-  loop would redo it once per query block on the CUDA cores the softmax already saturates. Q is quantized
-  in the forward kernel itself. The backward's pass writes Q, K, dO (and transposed copies for the dV, dK,
-  dQ GEMMs) and V in FP8.
+Scales. An E4M3 value has 3 mantissa bits: its relative rounding error is up to 2^-4 whatever the scale, so
+a scale only keeps values inside E4M3's range [2^-9, 448]; it adds no precision. Every scale is a power of
+two (the largest 2^e with amax * 2^e <= 448), so scaling is exact and the interpreter, the GPU and the
+PyTorch emulation put each value on the same E4M3 bits (a divided scale rounds differently on each, and
+bf16 inputs often land on E4M3 rounding ties).
+- Q and dO: one scale per row (token, head). A row scale of the left operand of S = Q K^T or dP = dO V^T
+  is a row scale of the product, folded into the FMA that already scales each score, so it costs nothing,
+  and it depends on the row alone: the forward (which quantizes its Q tile in registers) and the backward
+  (which quantizes Q in a pass) get the same bits whatever their tiles.
+- K and V: one scale per block of KV_BLOCK (128) rows of one head of one sequence. A key tile lies in one
+  block, so its scale is a scalar per tile, multiplied into the row factor of S; for V the running output
+  is kept in units of the current block's scale and rescaled with the softmax correction.
+- P = exp(S - running max) lies in [0, 1] and is cast as P * 256 (an unscaled cast flushes p < 2^-9 to 0),
+  the 1/256 folded into the output.
+- The backward GEMMs' left operands (P^T and dS^T with the Q/dO row scales that lie along their reduction,
+  and dS): one scale per output row against its running maximum; the accumulator is rescaled (by a power
+  of two) when it grows, as in online softmax. In the backward P is normalized, so under a fixed scale
+  entries near 1/N sink into E4M3's subnormals as N grows: float64 emulation, N=4096 d=128, dV error 5.2%
+  with a fixed scale, 5.0% with the row scales.
 
-Backward (recomputed from the saved LSE, as the bf16 kernel): S and dP are recomputed on FP8 from the same
-quantized Q, K (bitwise the forward's) - recomputing S in bf16 against the FP8 forward's LSE gave P rows
-that no longer sum to 1 (gradients off by 1e5x on outlier inputs) - and dV = P^T dO, dK = dS^T Q,
-dQ = dS K run on FP8 too. delta = rowsum(dO * O), dS = P (dP - delta) and every accumulator stay fp32.
-Gradient error against float64 (emulation, Gaussian N=4096 d=128): dQ 6.3%, dK 6.2%, dV 5.0% with every
-GEMM on FP8, against 5.4/5.3/3.8% with the three gradient GEMMs in bf16 (and 0.4% for the bf16 kernel);
-E5M2 for dS/dO was worse than E4M3 everywhere (7.0% vs 5.4%). So all GEMMs run on FP8, E4M3 throughout.
-Accumulation: fp8 wgmma adds into its accumulator with reduced precision; over a loop that adds ~1e-4
-relative error, far below the 3.6% of one E4M3 rounding, so acc stays in the tensor core.
+Passes. K and V are quantized by a pass per call (it reads them once, writes 1 byte an element, V
+transposed): FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles in
+the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q is
+quantized inside the forward kernel (by the pass only with rotate=True). The backward's pass writes Q, dO,
+K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequences start at multiples of 16
+tokens in the transposed copies (TMA tiles start 16-byte aligned).
 
-rotate=True multiplies Q and K per head by H diag(signs) (a Sylvester-Hadamard matrix with fixed random
-signs; head_dim a power of two >= 32) before quantizing: QK^T is unchanged, and a few large channels are
-spread over all of them, which is what makes FP8 accurate on outlier inputs. Emulation, N=4096 d=128,
-4 channels of Q/K/V scaled x20: output error 39% without rotation (per-tensor scales: 39% too: scales do
-not help, the rounding of the large channels does the damage), 13% with it; Gaussian inputs 5.5% either
-way. dQ and dK are rotated back in the kernel epilogue. The rotation is applied by a pass over Q.
+Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
+E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE left P rows that do not sum
+to 1 (gradients off by 1e5x on outlier inputs, float64 emulation). dV = P^T dO, dK = dS^T Q and dQ = dS K
+run on FP8 too: in the emulation (Gaussian, N=4096, d=128) they cost dQ 6.3% / dK 6.2% / dV 5.0% error
+against 5.4 / 5.3 / 3.8% with those three GEMMs in bf16 (the bf16 kernel: 0.4%), E5M2 was worse than E4M3
+everywhere (dQ 7.0% vs 5.4% at N=512), so all six GEMMs run on FP8, E4M3 throughout. What stays in fp32:
+delta = rowsum(dO * O) (from the bf16 O and dO), dS = P (dP - delta), softmax statistics, accumulators.
+FP8 wgmma adds into its accumulator with reduced precision; over a loop that is ~1e-4 relative, far below
+one E4M3 rounding (3.6% RMS), so accumulators stay in the tensor core.
 
-Bytes, forward: the K/V pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q
-once and K, V at 1 byte per element once per query block (mostly from L2), writes O and the LSE.
+Rotation. rotate=True multiplies Q and K of every head by R = H diag(signs) (Sylvester's Hadamard matrix,
+fixed random signs; head_dim a power of two >= 32) before quantizing: QK^T is unchanged and a few large
+channels are spread over all of them. Float64 emulation, 4 channels per head x20 in Q, K, V, causal: output
+error (relative) at N=512 d=128 34% for per-tensor FP8 (exact softmax), 33% with these block scales, 8.0%
+with the rotation; at N=4096 39% and 13%. The channels' own rounding does the damage, whatever their scale;
+only spreading them helps, more as head_dim grows (output RMSE 2.2-3.9x lower than per-tensor at d=64, 3.7-
+5.5x at d=128). On Gaussian inputs all three are within 10% of each other (~5%). dQ and dK are rotated back
+in the kernels' epilogues (a tf32 dot with R^T).
+
+Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q once
+and K, V at 1 byte an element once per query block (mostly from L2), writes O and the LSE.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -169,7 +175,7 @@ def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
     c_new = tl.maximum(c, amax)
     inv_old, _ = _scales(c)
     inv, _ = _scales(c_new)
-    acc = acc * tl.where(inv_old > 0, inv / tl.maximum(inv_old, 1e-30), 1.0)[:, None]
+    acc = acc * tl.where(inv_old > 0, inv / tl.where(inv_old > 0, inv_old, 1.0), 1.0)[:, None]
     acc = tl.dot(_e4m3(x * (inv * x_mult)[:, None], EMU), y8, acc)
     return acc, c_new
 
@@ -595,20 +601,23 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
 # element "tma"/"ptr" keeps an entry to one load path). FP8 dots need every reduction dimension >= 32, so
 # BLOCK_N >= 32 (PV), BLOCK_M >= 32 in dK/dV (P^T dO, dS^T Q) and BLOCK_N >= 32 in dQ (dS K); BLOCK_N must
 # divide KV_BLOCK (128). FP8 tiles take half the shared memory of bf16 ones, so the forward can afford
-# 128 x 128 score tiles with 3 stages. These are starting points: the H200 run times them (a config that
-# does not compile or fit is skipped and recorded) and bench/attention.py --fp8-only --sweep widens them.
+# 128 x 128 score tiles with 3 stages. Compiled for sm_90 ahead of time (Triton 3.9's ptxas), causal and
+# not: no register spills on the descriptor path except dK/dV with 64-row query tiles (100-250 spilled
+# words, as the bf16 kernel's fastest dK/dV config has ~90) and head_dim 256 dK/dV; the pointer path spills
+# more, so its candidates are fewer. Not yet timed on the H200: bench/attention.py --fp8-only times them
+# (a config that does not compile or fit is skipped and recorded) and --sweep widens them.
 FP8_CONFIGS = {
     "fp8_fwd": {64: [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-                128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3),
-                      (128, 128, 8, 4, "tma")],
-                256: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]},
-    "fp8_dkdv": {64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (128, 128, 8, 2)],
+                128: [(128, 128, 8, 3, "tma"), (128, 64, 8, 3), (128, 128, 8, 2, "tma"), (64, 128, 4, 3, "tma"),
+                      (64, 64, 4, 3, "tma"), (128, 128, 8, 4, "tma")],
+                256: [(128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2)]},
+    "fp8_dkdv": {64: [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 2)],
                  128: [(32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (32, 64, 4, 4), (32, 128, 8, 3),
                        (64, 64, 4, 3)],
-                 256: [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2)]},
+                 256: [(32, 32, 4, 2), (32, 64, 8, 2)]},
     "fp8_dq": {64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)],
-               128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4)],
-               256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)]},
+               128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma")],
+               256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)]},
 }
 _INTERPRET_CONFIG = {"fp8_fwd": (32, 32, 4, 1), "fp8_dkdv": (32, 32, 4, 1), "fp8_dq": (32, 32, 4, 1)}
 _ENV = "TILEWISE_FP8_ATTN_CONFIGS"  # e.g. 'fp8_fwd=128,128,8,3/128,64,8,3;fp8_dq=128,64,8,3'
