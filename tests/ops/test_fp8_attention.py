@@ -409,6 +409,86 @@ def test_round_e4m3_matches_torch():
     assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
 
 
+# ------------------------------------------------------------------------------------------ sm_90 builds
+
+_SM90_BUILD = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tilewise.ops import fp8_attention as f8
+
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+fp8, bf16, f32 = "*fp8e4nv", "*bf16", "*fp32"
+pointers = dict.fromkeys(["Q8", "Q8T", "K8", "K8T", "V8", "V8T", "DO8", "DO8T"], fp8)
+pointers |= dict.fromkeys(["Q", "O", "DQ", "DK", "DV", "ROT"], bf16) | {"CU": "*i32", "CU_T": "*i32"}
+pointers |= dict.fromkeys(["QS", "KS", "VS", "DOS", "LSE", "LSE2", "DELTA"], f32)
+pointers |= {"qk_scale": "fp32", "grad_scale": "fp32"}
+
+def build(fn, descs, constexprs, cfg):
+    bm, bn, warps, stages = cfg
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = "tensordesc<fp8e4nv[%d, %d]>" % descs[name]
+        else:
+            sig[name] = pointers.get(name, "i32")
+            if sig[name].startswith("*") or (sig[name] == "i32" and name not in ("left", "right", "b0")):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher's arguments specialize to
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return {"spills": sass.count("LDL") + sass.count("STL"), "fp8_mma": len(re.findall(r"QGMMA\.\S+E4M3\.E4M3", sass))}
+
+d = 128
+out = []
+for causal in (False, True):
+    base = dict(HEAD_DIM=d, BLOCK_D=d, HAS_LEFT=False, HAS_RIGHT=causal, VARLEN=False, USE_TMA=True,
+                KV_BLOCK=128, EMU=False, EMU_BF16=False, group=1)
+    for kern, fn in (("fp8_fwd", f8._fp8_fwd), ("fp8_dkdv", f8._fp8_bwd_dkdv), ("fp8_dq", f8._fp8_bwd_dq)):
+        cfg = f8.FP8_CONFIGS[kern][d][0][:4]
+        bm, bn = cfg[:2]
+        if kern == "fp8_fwd":
+            cx = dict(base, Q_PRE=False, BLOCK_M=bm, BLOCK_N=bn)
+            descs = {"desc_k": (bn, d), "desc_v": (d, bn)}
+        elif kern == "fp8_dkdv":
+            cx = dict(base, GQA=False, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
+            descs = {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}
+        else:
+            cx = dict(base, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
+            descs = {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}
+        out.append([kern, causal, list(cfg), build(fn, descs, cx, cfg)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_sm90_builds_use_fp8_wgmma_and_do_not_spill():
+    """The default config of each FP8 kernel (head_dim 128, descriptor loads, causal and not), compiled for
+    sm_90 ahead of time with Triton's own ptxas (no GPU needed): its GEMMs are E4M3 wgmma (QGMMA) and it
+    keeps everything in registers. In a subprocess: the interpreter set for this session cannot compile."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no NVIDIA toolchain")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kern, causal, cfg, got in json.loads(done.stdout.strip().splitlines()[-1]):
+        what = f"{kern} {cfg} causal={causal}"
+        assert got["fp8_mma"] >= 2, f"{what}: no E4M3 wgmma"
+        assert got["spills"] == 0, f"{what}: {got['spills']} local loads/stores (register spills)"
+
+
 # ------------------------------------------------------------------------------------------ H200
 
 @pytest.mark.gpu

@@ -33,14 +33,16 @@ K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequence
 tokens in the transposed copies (TMA tiles start 16-byte aligned).
 
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
-E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE left P rows that do not sum
-to 1 (gradients off by 1e5x on outlier inputs, float64 emulation). dV = P^T dO, dK = dS^T Q and dQ = dS K
+E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
+sum to 1 - on Gaussian inputs that happened to help (dQ 0.9% vs 3.8% error, float64 emulation, N=512), on
+inputs with outlier channels the gradients were off by 1e5x. dV = P^T dO, dK = dS^T Q and dQ = dS K
 run on FP8 too: in the emulation (Gaussian, N=4096, d=128) they cost dQ 6.3% / dK 6.2% / dV 5.0% error
 against 5.4 / 5.3 / 3.8% with those three GEMMs in bf16 (the bf16 kernel: 0.4%), E5M2 was worse than E4M3
 everywhere (dQ 7.0% vs 5.4% at N=512), so all six GEMMs run on FP8, E4M3 throughout. What stays in fp32:
 delta = rowsum(dO * O) (from the bf16 O and dO), dS = P (dP - delta), softmax statistics, accumulators.
-FP8 wgmma adds into its accumulator with reduced precision; over a loop that is ~1e-4 relative, far below
-one E4M3 rounding (3.6% RMS), so accumulators stay in the tensor core.
+FP8 wgmma adds into its accumulator with fewer bits than fp32 (about 14, as DeepSeek-V3 reports), ~1e-4
+relative, far below one E4M3 rounding (3.6% RMS), so accumulators stay in the tensor core (an fp32 add
+outside would need a second register tile).
 
 Rotation. rotate=True multiplies Q and K of every head by R = H diag(signs) (Sylvester's Hadamard matrix,
 fixed random signs; head_dim a power of two >= 32) before quantizing: QK^T is unchanged and a few large
@@ -48,7 +50,7 @@ channels are spread over all of them. Float64 emulation, 4 channels per head x20
 error (relative) at N=512 d=128 34% for per-tensor FP8 (exact softmax), 33% with these block scales, 8.0%
 with the rotation; at N=4096 39% and 13%. The channels' own rounding does the damage, whatever their scale;
 only spreading them helps, more as head_dim grows (output RMSE 2.2-3.9x lower than per-tensor at d=64, 3.7-
-5.5x at d=128). On Gaussian inputs all three are within 10% of each other (~5%). dQ and dK are rotated back
+5.5x at d=128). On Gaussian inputs all three are within 15% of each other (~4-5%). dQ and dK are rotated back
 in the kernels' epilogues (a tf32 dot with R^T).
 
 Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q once
