@@ -78,7 +78,7 @@ _INTERPRET = attn._INTERPRET
 # block. Smaller in the interpreter, so tiny test sequences span several blocks.
 KV_BLOCK = 32 if _INTERPRET else 128
 _ROWS_PER_QUANT_PROGRAM = 32 if _INTERPRET else 64  # rows a program of the row-scaled quantization pass takes
-_TINY = 1e-30  # an amax at or below this is treated as 0 (448 / amax would overflow)
+_TINY = 1e-30  # an amax at or below this counts as 0 (its power-of-two multiplier would overflow float32)
 
 
 # ----------------------------------------------------------------------------------------------
