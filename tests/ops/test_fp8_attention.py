@@ -393,6 +393,8 @@ def test_config_tables(monkeypatch):
 
 def test_round_e4m3_matches_torch():
     """The interpreter's rounding helper puts values where torch's E4M3 cast (round to nearest even) does."""
+    if not f8._INTERPRET:
+        pytest.skip("the helper serves the interpreter; this test launches on CPU tensors")
     import triton
     import triton.language as tl
 
