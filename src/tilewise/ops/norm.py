@@ -356,12 +356,18 @@ _CONFIGS = {
     128:    (Config(8, 128, 4),      Config(8, 128, 4)),
     256:    (Config(4, 256, 4),      Config(4, 256, 4)),
     512:    (Config(2, 512, 4),      Config(2, 512, 4)),
-    1024:   (Config(1, 1024, 4),     Config(1, 1024, 4)),
+    # 1024, 4096, 8192: the H200 sweep's best LayerNorm launches (bench/fused.py --sweep, commit 968abd7; GPU-only
+    # forward 3911, 3780, 3834 GB/s, 1.08-1.10x the previous entries, now kept for RMSNorm until it is swept)
+    1024:   (Config(1, 1024, 4, False, 2, 1),   Config(2, 1024, 4, False, 3, 1)),
     2048:   (Config(1, 2048, 8),     Config(1, 2048, 8)),
+    4096:   (Config(2, 4096, 32, False, 3, 1),  Config(1, 4096, 16)),
+    8192:   (Config(1, 8192, 32, False, 3, 1),  Config(1, 8192, 32, num_stages=3)),
+}
+_RMS_CONFIGS = {                # RMSNorm's entries where they differ from _CONFIGS (same format, looked up first)
+    1024:   (Config(1, 1024, 4),     Config(1, 1024, 4)),
     4096:   (Config(1, 4096, 16),    Config(1, 4096, 16)),
     8192:   (Config(1, 8192, 32),    Config(1, 8192, 32, num_stages=3)),
 }
-_RMS_CONFIGS: dict = {}         # RMSNorm's entries where they differ from _CONFIGS (same format, looked up first)
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
 
 
