@@ -337,7 +337,7 @@ def sweep(args, timer, deadline):
     M = args.tokens
     record = {"widths": list(SWEEP_WIDTHS), "rows": M, "ms": {}, "chosen": {}}
     for kind, dt, cands in (("x", torch.float8_e4m3fn, fc._CAST_CONFIGS), ("dy", torch.float8_e5m2, fc._CAST_CONFIGS),
-                            ("block", torch.float8_e4m3fn, [4, 8, 16])):
+                            ("block", torch.float8_e4m3fn, fc._BLOCK_WARPS_CONFIGS)):
         per, by_name = {}, {str(c): c for c in cands}
         for N in SWEEP_WIDTHS:
             t = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)

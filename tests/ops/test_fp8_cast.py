@@ -3,6 +3,7 @@
 On CPU the Triton kernels run in the interpreter (small shapes); gpu-marked tests repeat them at real
 sizes with the default tiles and every sweep candidate.
 """
+import json
 import math
 import os
 import subprocess
@@ -356,45 +357,84 @@ def test_tile_table_is_sound():
 
 # Compiles (not runs) every candidate config of the cast kernels, with the column sums and both scalings,
 # for sm_90 with the Triton at hand: Triton's own LLVM and ptxas, no GPU needed (TRITON_INTERPRET unset).
+# Pointers 16-byte aligned and M, N multiples of 16, as Fp8Linear calls them; for each build the SASS's
+# local loads/stores (register spills) and the registers a thread.
 _COMPILE_FOR_HOPPER = """
+import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tilewise.ops import fp8_cast as m
 target = GPUTarget("cuda", 90, 32)
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+types = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32", "scale_ptr": "*fp32",
+         "scratch_ptr": "*fp32", "n_parts": "i32", "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32",
+         "inv_margin": "fp32", "ys_ptr": "*fp32", "yts_ptr": "*fp32", "numel": "i32"}
+
+def build(fn, consts, warps, **retype):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = retype.get(name, types[name])
+            if sig[name].startswith("*") or name in ("M", "N", "numel"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                       options={"num_warps": warps})
+    if not os.path.exists(cuobjdump):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.findall(r"REG:(\\d+)", res)
+    return {"spills": sass.count("LDL") + sass.count("STL"), "regs": int(regs[0]) if regs else None}
+
+out = []
 common = dict(EXACT_ROUND=False, SUB_M=m._SUB_M)
 for bm, bn, warps in m._CAST_CONFIGS:
     for current in (False, True):
-        sig = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32",
-               "scale_ptr": "*fp32", "scratch_ptr": "*fp32", "n_parts": "i32", "amax_acc_ptr": "*i32",
-               "colsum_ptr": "*fp32", "fp8_max": "fp32", "inv_margin": "fp32"}
         consts = dict(CURRENT=current, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True, EMIN=-6, MBITS=3,
                       PARTS=m._PARTS, PARTS_AT=m._PARTS_AT, SCALE_INV_AT=m.SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn,
                       **common)
-        triton.compile(ASTSource(m._fp8_cast_kernel, sig, consts), target=target, options={"num_warps": warps})
+        out.append(["cast", [bm, bn, warps], current, build(m._fp8_cast_kernel, consts, warps)])
 for x_ty, y_ty, emin, mbits in (("*bf16", "*fp8e4nv", -6, 3), ("*fp32", "*fp8e5", -14, 2)):
-    for warps in (4, 8):
-        sig = {"x_ptr": x_ty, "y_ptr": y_ty, "yt_ptr": y_ty, "ys_ptr": "*fp32", "yts_ptr": "*fp32", "M": "i32",
-               "N": "i32", "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32"}
+    for warps in m._BLOCK_WARPS_CONFIGS:
         consts = dict(WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, COL_SUMS=True, EMIN=emin, MBITS=mbits,
                       BLOCK_S=m.BLOCK, **common)
-        triton.compile(ASTSource(m._fp8_block_cast_kernel, sig, consts), target=target, options={"num_warps": warps})
-triton.compile(ASTSource(m._amax_partials_kernel, {"x_ptr": "*bf16", "numel": "i32", "scratch_ptr": "*fp32"},
-                         {"PARTS_AT": m._PARTS_AT, "BLOCK_E": 4096}), target=target, options={"num_warps": 8})
+        out.append(["block", warps, x_ty, build(m._fp8_block_cast_kernel, consts, warps, x_ptr=x_ty, y_ptr=y_ty,
+                                                yt_ptr=y_ty)])
+out.append(["amax", 8, None, build(m._amax_partials_kernel, {"PARTS_AT": m._PARTS_AT, "BLOCK_E": 4096}, 8)])
 print("compiled", triton.__version__)
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper_and_defaults_do_not_spill():
+    """Every candidate builds for sm_90; the default tiles and warps do not spill, and the per-tensor default
+    leaves room for at least four programs an SM (<= 64 registers at 8 warps)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "src"),
                                          env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=900)
     if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("this Triton has no ptxas to compile for sm_90")
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    builds = json.loads(r.stdout.strip().splitlines()[-1])
+    if not builds[0][3]:
+        pytest.skip("this Triton has no cuobjdump to read the builds")
+    defaults = [list(t) for t in fp8_cast_module._TILES.values()]
+    for kind, cfg, variant, got in builds:
+        if (kind == "cast" and cfg in defaults) or (kind == "block" and cfg == fp8_cast_module._BLOCK_WARPS) \
+                or kind == "amax":
+            assert got["spills"] == 0, f"{kind} {cfg} {variant}: {got['spills']} local loads/stores (spills)"
+        if kind == "cast" and cfg == list(fp8_cast_module._TILES["t"]):
+            assert got["regs"] * cfg[2] * 32 * 4 <= 65536, f"{cfg}: {got['regs']} registers a thread"
 
 
 # ----------------------------------------------------------------------------------------------------

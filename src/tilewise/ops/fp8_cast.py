@@ -211,13 +211,18 @@ def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps) candidates of the per-tensor cast; bench/fp8.py --sweep times each.
-_CAST_CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (128, 128, 4),
-                 (64, 256, 8), (256, 64, 8)]
+_CAST_CONFIGS = [(64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8), (32, 128, 4), (32, 256, 8),
+                 (128, 128, 8), (128, 128, 16)]
+_BLOCK_WARPS_CONFIGS = [8, 16]
 # The per-tensor tile by pass: "t" writes a transposed copy (with or without y), "y" only the row-major one.
-# A transposed FP8 copy wants BLOCK_M >= 32 (its rows are BLOCK_M bytes: at least one 32-byte sector), and a
-# bf16 read wants BLOCK_N >= 16; the rest is what the H200 sweep decides.
-_TILES = {"t": (128, 128, 8), "y": (64, 128, 4)}
-_BLOCK_WARPS = 8               # the block-scaling cast's warps (its tile is fixed at 128 x 128)
+# A memory-bound cast wants bytes in flight: sm_90 builds (16-byte aligned pointers, as Fp8Linear's are)
+# of 64 x 128 with 8 warps take 40-62 registers a thread, so six programs share an SM (96 KB of reads in
+# flight), where 128 x 128 takes 127 (two programs, 64 KB). A transposed FP8 copy wants BLOCK_M >= 32 (its
+# rows are BLOCK_M bytes: at least one 32-byte sector). The H200 sweep has the last word.
+_TILES = {"t": (64, 128, 8), "y": (64, 128, 8)}
+# The block-scaling cast's warps (its tile is fixed at 128 x 128): 16 warps take 99 registers a thread, 8
+# take 182, 4 spill.
+_BLOCK_WARPS = 16
 _INTERPRETER_TILE = (32, 32, 4)
 assert all(bm % _SUB_M == 0 for bm, _, _ in _CAST_CONFIGS) and BLOCK % _SUB_M == 0
 
