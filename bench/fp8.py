@@ -387,9 +387,7 @@ def copy_bandwidth(timer):
     x = torch.randn(2 ** 30 if dev == "cuda" else 2 ** 20, device=dev, dtype=torch.bfloat16)  # 2 GiB on the GPU
     y = torch.empty_like(x)
     ms = timer.ms(lambda: y.copy_(x), rep=200)
-    n = x.numel()
-    del x, y
-    return 4 * n / (ms * 1e-3) / 1e9
+    return 4 * x.numel() / (ms * 1e-3) / 1e9
 
 
 def state_step_us(timer):
@@ -674,7 +672,7 @@ def main(argv=None):
         "tiles": {"_TILES": {k: list(v) for k, v in fp8_cast._TILES.items()}, "_BLOCK_WARPS": fp8_cast._BLOCK_WARPS},
         "sweep": sweep_record,
         "command": "TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "") +
-                   (f"BENCH_ARGS=\"--sweep\" " if args.sweep else "") + "bash bench/h200.sh fp8",
+                   ("BENCH_ARGS=\"--sweep\" " if args.sweep else "") + "bash bench/h200.sh fp8",
         "skipped_shapes_time_budget": skipped, "failed_shapes": failed,
         "cast_kernel_fallbacks": fp8_cast.fallbacks(), "seconds": round(time.time() - start, 1),
         "rows": [{k: v for k, v in r.items() if k != "detail"} for r in rows + gemm_rows + crows],
