@@ -253,7 +253,7 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
 class BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
-        out_dtype = torch.promote_types(x.dtype, bias.dtype) if bias is not None else x.dtype
+        out_dtype = x.dtype     # an fp32 master bias does not widen a bf16 activation (see bias_gelu)
         x2, bias = _rows(x), None if bias is None else bias.contiguous()
         y = _call(torch.ops.tilewise.bias_gelu_fwd, _bias_gelu_forward, x2, bias, out_dtype)
         ctx.save_for_backward(x2, bias)
@@ -297,7 +297,12 @@ def _check_input(name, what, t):
 
 
 def bias_gelu(x, bias=None):
-    """gelu_tanh(x + bias), bias broadcast over the last dim."""
+    """gelu_tanh(x + bias), bias broadcast over the last dim, in x's dtype.
+
+    The sum is formed in fp32 and rounded once. An fp32 bias (a master parameter beside a bf16 activation
+    under autocast) does not promote the output, as nn.Linear's bias does not under autocast: a widened
+    output would cost a write of twice the bytes here and a cast back to bf16 in the next matmul, both ways.
+    """
     _check_input("bias_gelu", "x", x)
     if bias is not None:
         _check_input("bias_gelu", "bias", bias)
@@ -321,7 +326,7 @@ def swiglu(gate_up):
 
 
 def bias_gelu_reference(x, bias=None):
-    return F.gelu(x + bias if bias is not None else x, approximate="tanh")
+    return F.gelu(x + bias if bias is not None else x, approximate="tanh").to(x.dtype)
 
 
 def swiglu_reference(gate_up):
