@@ -569,6 +569,26 @@ def test_gpu_tma_matches_pointer_path(tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_gpu_fast_launch_matches_normal_launch_bitwise(path, tma):
+    """Attention's launches through ops.launch.FastLauncher (descriptor arguments included) give bitwise the
+    results of Triton's normal launch, and the fast path is really taken after the first calls."""
+    from tilewise.ops import launch
+    tma(path)
+    q, k, v = qkv(2, 1500, 1500, 16, 4, 128, device="cuda")
+    dout = torch.randn_like(q)
+    run = lambda: _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)  # noqa: E731
+    with launch.normal_launches():
+        normal = run()
+    before = attn._FWD.launcher.fast_launches
+    fast = run()
+    fast = run()   # the first call of each key took the normal path
+    for a, b in zip(normal[0] + [normal[1]], fast[0] + [fast[1]]):
+        assert torch.equal(a, b)
+    assert attn._FWD.launcher.fast_launches > before
+
+
+@pytest.mark.gpu
 def test_gpu_config_that_cannot_launch_is_skipped(tma, monkeypatch):
     """A candidate far beyond the shared-memory limit (8 stages of 128 x 128 K/V tiles at head_dim 128)
     fails to launch; the next candidate runs, and the failure is on record."""

@@ -120,6 +120,11 @@ def test_key_classes_refine_tritons_specialization():
     pool = [x, x[1:], x[8:], x[2:], x.float(), x.float()[1:], x.half(), 0, 1, 2, 15, 16, 17, 2 ** 31 - 1, 2 ** 31,
             2 ** 31 + 16, -2 ** 31, -2 ** 31 - 1, -16, 2 ** 63, 2 ** 63 + 16, 2 ** 64 - 1, -2 ** 63, True, False,
             0.0, 1.0, 2.5, None]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m = torch.zeros(64, 64, dtype=torch.bfloat16)
+    pool += [TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+             for t in (m, m.half(), m.float(), m[:, :32]) for block in ([32, 64], [64, 64], [16, 32])
+             if t.shape[1] >= block[1] or t.stride(0) == 64]
     native = triton._C.libtriton.native_specialize_impl
     for specialize in (True, False):
         for align in (True, False):

@@ -56,6 +56,7 @@ import triton.language as tl
 import triton.testing
 
 from .dispatch import use_triton
+from .launch import FastLauncher
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -611,6 +612,7 @@ class _Kernel:
 
     def __init__(self, name, fn, table=None, interpret_config=None, env_var="TILEWISE_ATTN_CONFIGS"):
         self.name, self.fn = name, fn
+        self.launcher = FastLauncher(fn)   # Triton's per-launch Python, skipped after a key's first call
         # The family's table {kernel name: {head_dim class: candidates}} (CONFIGS here; set_candidates edits
         # it in place), the one config the interpreter runs, and the variable that may replace candidates.
         self.table = CONFIGS if table is None else table
@@ -633,7 +635,8 @@ class _Kernel:
 
     def launch(self, cfg, grid, args, consts):
         bm, bn, warps, stages = cfg
-        self.fn[grid(bm, bn)](*args(bm, bn), **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        self.launcher(grid(bm, bn), *args(bm, bn), **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                      num_stages=stages)
 
     def __call__(self, key, grid, args, consts):
         cfg = self.chosen.get(key)

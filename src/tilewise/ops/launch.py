@@ -18,8 +18,9 @@ class at least as fine as Triton's specialization of it:
     tensor  (dtype, data_ptr 16-byte aligned)
     int     1, or (divisible by 16, and i32 / u64 / i64 range)      (also where Triton does not specialize)
     float   fp32;  bool u1;  None
-Anything else (a TensorDescriptor, a torch.dtype, a numpy scalar) takes the normal launch every time. A key
-finer than Triton's costs nothing but one more normal first call.
+    TensorDescriptor  (base dtype, block shape, padding, tf32 flag, base 16-byte aligned)
+Anything else (a torch.dtype, a numpy scalar) takes the normal launch every time. A key finer than Triton's
+costs nothing but one more normal first call.
 
 The normal launch is also taken: under the interpreter (TRITON_INTERPRET=1: the kernel is not a
 JITFunction), with TILEWISE_FAST_LAUNCH=0 or inside `normal_launches()`, while launch hooks (a profiler),
@@ -37,6 +38,11 @@ import os
 import torch
 import triton
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:          # pragma: no cover - a Triton without host descriptors
+    TensorDescriptor = None
 
 try:
     from triton import knobs as _knobs
@@ -88,7 +94,17 @@ def _scalar_class(a):
         return "u1"
     if a is None:
         return None
+    if t is TensorDescriptor:
+        return _descriptor_class(a)
     raise _Unkeyable
+
+
+def _descriptor_class(d):
+    """A host TMA descriptor: Triton specializes on its dtype and block shape ('tensordesc<bf16[64, 128]>');
+    padding, the tf32 flag and the base's alignment are added to be safe. Its shape and strides are
+    runtime values, which the compiled kernel's launcher encodes on every call, as on the normal path."""
+    return ("desc", d.base.dtype, tuple(d.block_shape), str(getattr(d, "padding", None)),
+            bool(getattr(d, "round_f32_to_tf32", False)), d.base.data_ptr() & 15 == 0)
 
 
 def _arg_class(a):
