@@ -114,6 +114,7 @@ class Fp8Config:
     history_len: int = 16
     amax_compute: str = "max"        # max | most_recent
     margin: int = 0
+    fsdp_fp8_all_gather: bool = True  # fsdp/hsdp + delayed: gather Fp8Linear weights in FP8 (tilewise.fp8.fsdp)
 
 
 @dataclass

@@ -15,6 +15,8 @@ parallelize() applies the strategy to a model built identically on every rank (t
   parameters from forward to backward (ZeRO-2: one all-gather per step instead of two, more memory).
   On CUDA the gathered parameters are bf16 and gradients are reduced in fp32.
 - hsdp: fully_shard on a 2-D mesh (nodes, ranks of a node): sharded within a node, replicated across.
+- fsdp/hsdp with FP8 recipe "delayed" (fp8.fsdp_fp8_all_gather, on by default): Fp8Linear weights are cast
+  to FP8 shard by shard and gathered as 1-byte elements (tilewise.fp8.fsdp); other parameters as above.
 Bytes per step and rank (P parameters, fp32 master, bf16 compute): ddp all-reduces 4P (ring: ~2x that on
 the wire); fsdp all-gathers 2P twice (once with reshard_after_forward=False) and reduce-scatters 4P.
 """
@@ -205,6 +207,9 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist, compute_dtype: torch.dty
         offload = OffloadPolicy()
     # Blocks return views (reshapes); the model never changes them in place, which is what FSDP2 warns about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    if cfg.fp8.fsdp_fp8_all_gather and cfg.fp8.recipe == "delayed":
+        from .fp8.fsdp import enable_fp8_all_gather
+        enable_fp8_all_gather(model, shard_size=d.mesh.size(d.mesh.ndim - 1))
     reshard = bool(cfg.distributed.reshard_after_forward)
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):

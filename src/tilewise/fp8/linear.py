@@ -240,6 +240,12 @@ class Fp8Linear(nn.Linear):
         """(W8, its scales, W8t or None, its scales or None), laid out as the GEMMs' right operands and cast
         once per optimizer step."""
         w = self.weight
+        if type(w) is not nn.Parameter:   # FSDP2 with FP8 all-gather (tilewise.fp8.fsdp)
+            from .fsdp import Fp8GatheredWeight, Fp8ShardedWeight
+            if isinstance(w, Fp8GatheredWeight):   # gathered in FP8, scaled per tensor: used as it is
+                return w.fp8_operands(need_t)
+            if isinstance(w, Fp8ShardedWeight):    # not sharded (yet): the master weight inside
+                w = w._tensor
         key = (w._version, w.data_ptr(), self.fp8_state.generation)
         c = self._w_cache
         if c is not None and c[0] == key and (c[1][2] is not None or not need_t):
