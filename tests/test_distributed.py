@@ -233,8 +233,8 @@ def test_config_errors_name_the_problem(data_dir, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="on CPU it has nothing to do"):
         run_inprocess(data_dir, tmp_path / "d", **{"distributed.strategy": "fsdp", "distributed.cpu_offload": "true"})
     assert not torch.distributed.is_initialized()
-    with pytest.raises(ConfigError, match="fp8.*block"):
-        run_inprocess(data_dir, tmp_path / "e", **{"fp8.recipe": '"blockwise"'})
+    with pytest.raises(ConfigError, match="fp8.*scaling='blocky'"):
+        run_inprocess(data_dir, tmp_path / "e", **{"fp8.recipe": '"blocky"'})
     monkeypatch.setenv("WORLD_SIZE", "2")   # as under torchrun, but strategy none
     with pytest.raises(ConfigError, match=r"rank 0: launched as 2 processes but distributed.strategy=none"):
         run_inprocess(data_dir, tmp_path / "f")
