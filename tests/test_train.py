@@ -50,6 +50,10 @@ def test_loss_falls_on_real_text_and_run_dir_is_complete(tmp_path, tmp_path_fact
         assert json.load(f)["final_val_loss"] == summary["final_val_loss"]
     assert os.path.getsize(os.path.join(run, "loss.png")) > 1000
     assert os.path.isdir(os.path.join(run, "checkpoints", "step_00000060"))
+    with open(os.path.join(run, "checkpoints.jsonl")) as f:
+        saves = [json.loads(line) for line in f]
+    assert [s["step"] for s in saves] == [60]
+    assert 0 <= saves[0]["blocked_s"] <= saves[0]["durable_s"] and saves[0]["bytes"] > 0
 
 
 @pytest.mark.parametrize("dropout, accum", [(0.0, 1), (0.1, 2)])

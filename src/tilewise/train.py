@@ -418,6 +418,9 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
             _save(ckpt, t.max_steps, model, optimizer, fp8_state, loader, micro, cfg)
         ckpt.close()   # the last save is committed before the run counts as done
         failed = False
+        if d.is_main and ckpt.history:   # blocked and durable seconds of every save of this run
+            with open(os.path.join(run_dir, "checkpoints.jsonl"), "a") as f:
+                f.writelines(json.dumps(stats) + "\n" for stats in ckpt.history)
     finally:
         loader.close()
         metrics.close()

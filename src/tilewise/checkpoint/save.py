@@ -165,6 +165,7 @@ class Checkpointer:
         self.io_threads, self.chunk_bytes, self.split_bytes = io_threads, chunk_bytes, split_bytes
         self.timeout_s = timeout_s
         self.last_stats: dict = {}
+        self.history: list[dict] = []   # every save's last_stats (a save's entry fills in when it is durable)
         self._gloo = None
         self._buffer = _HostBuffer()
         self._streams: dict = {}
@@ -269,6 +270,7 @@ class Checkpointer:
         buf[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         events = self._snapshot(buf, pieces, offsets)
         self.last_stats = {"step": step, "rank": rank, "bytes": nbytes, "blocked_s": time.perf_counter() - t0}
+        self.history.append(self.last_stats)
 
         args = (step, tmp, final, buf, nbytes, events, manifest_tensors, state, t0, rank, world)
         if not self.async_save:
