@@ -476,6 +476,7 @@ class Bench:
         s = self.s
         every = s.ckpt_every
         saves = save_timings(records, watcher, every, 4 * every, s.log_every)
+        saves = trainer_save_stats(out_dir, saves)
         gb = dir_bytes(os.path.join(out_dir, "checkpoints", step_dir(4 * every))) / 1e9
         steady = [x["blocked_s"] for x in saves[1:] if x["blocked_s"] is not None]
         durable = [x["durable_s"] for x in saves if x["durable_s"] is not None]
@@ -699,6 +700,26 @@ def save_timings(records: list[dict], watcher, every: int, max_steps: int, warmu
                     # the next save waits for this one if it is not durable by then: its blocked time includes that
                     "next_save_waits": None if durable is None or typical is None
                     else durable > every * typical / 1e3})
+    return out
+
+
+def trainer_save_stats(run_dir: str, saves: list[dict]) -> list[dict]:
+    """The trainer's own figures (rank 0's checkpoints.jsonl: blocked_s from save() to its return, durable_s to
+    the commit) replace the estimates above where the run wrote them; the estimates stay beside them."""
+    path = os.path.join(run_dir, "checkpoints.jsonl")
+    if not os.path.exists(path):
+        return saves
+    with open(path) as f:
+        own = {r["step"]: r for r in map(json.loads, f) if "step" in r}
+    out = []
+    for x in saves:
+        r = own.get(x["step"])
+        if r is not None:
+            x = {**x, "blocked_s_estimate": x["blocked_s"], "durable_s_watcher": x["durable_s"],
+                 "blocked_s": round(r["blocked_s"], 4),
+                 "durable_s": round(r["durable_s"], 4) if r.get("durable_s") is not None else x["durable_s"],
+                 "source": "trainer"}
+        out.append(x)
     return out
 
 
