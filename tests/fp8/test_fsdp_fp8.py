@@ -124,25 +124,26 @@ def test_hooks_cast_the_shard_with_the_slot_scale_and_feed_the_gemms():
     assert gathered._scale_inv is inv
 
 
-def test_fp8_linear_uses_the_gathered_weight_without_casting():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_linear_uses_the_gathered_weight_without_casting(device):
     """An Fp8Linear whose weight is an Fp8GatheredWeight computes with its FP8 data: forward and input
     gradient equal those of a layer whose master weight is the dequantized FP8 weight (which the cast
     reproduces exactly, at the same scale)."""
     torch.manual_seed(1)
-    ref = Fp8Linear(64, 32, bias=True, recipe="delayed")
+    ref = Fp8Linear(64, 32, bias=True, recipe="delayed", device=device)
     ref.fp8_state.step()                       # warm: delayed scales, the weight's from its (zero) history
     ref.fp8_state.scale[1] = 128.0
     ref.fp8_state.scale_inv[1] = 1 / 128.0
     q = (ref.weight.detach() * 128).to(E4M3)
     with torch.no_grad():
         ref.weight.copy_(q.float() / 128)      # on the FP8 grid: the layer's own cast gives q back
-    test = Fp8Linear(64, 32, bias=True, recipe="delayed")
+    test = Fp8Linear(64, 32, bias=True, recipe="delayed", device=device)
     test.fp8_state.load_state_dict(ref.fp8_state.state_dict())
     with torch.no_grad():
         test.bias.copy_(ref.bias)
-    gathered = Fp8GatheredWeight(q, torch.tensor([1 / 128.0]), torch.float32)
+    gathered = Fp8GatheredWeight(q, torch.full((1,), 1 / 128.0, device=device), torch.float32)
     test.weight = nn.Parameter(gathered)
-    x = torch.randn(16, 64)
+    x = torch.randn(16, 64, device=device)
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     ys = [layer(xi) for layer, xi in zip((ref, test), xs)]
     torch.testing.assert_close(ys[1], ys[0], rtol=0, atol=0)
@@ -313,3 +314,31 @@ def test_checkpoint_holds_plain_weights_and_resumes(runs, data_dir, tmp_path):
     got = read_metrics(str(resumed))
     assert [r["step"] for r in got] == list(range(11, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([want[r["step"]] for r in got], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank (fsdp with world size 1): on CPU here, on the GPU with bf16 parameters, the Triton casts and
+# torch._scaled_mm
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_rank_fsdp_fp8_gather_follows_the_plain_gather(data_dir, tmp_path, device, monkeypatch):
+    from tilewise.train import train
+    calls = []
+    pre = Fp8ShardedWeight.fsdp_pre_all_gather
+
+    def spy(self, mesh):
+        out = pre(self, mesh)
+        calls.append(out[0][0].dtype)
+        return out
+    monkeypatch.setattr(Fp8ShardedWeight, "fsdp_pre_all_gather", spy)
+    losses = {}
+    for gather in (True, False):
+        extra = [f"train.device={json.dumps(device)}", "checkpoint.every=0"]
+        if device == "cuda":
+            extra += ["model.d_model=128", "model.n_head=2"]   # bf16 parameters (train.dtype auto)
+        train(load_config("tiny", overrides=_overrides(data_dir, tmp_path / str(gather), gather) + extra))
+        losses[gather] = [r["loss"] for r in read_metrics(str(tmp_path / str(gather)))]
+    assert calls and set(calls) == {E4M3}
+    assert len(losses[True]) == STEPS
+    assert losses[True] == pytest.approx(losses[False], rel=2e-3)

@@ -157,6 +157,13 @@ class Fp8GatheredWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
 
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Fp8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
+
     def dequantize(self) -> torch.Tensor:
         return (self._data.float() * self._scale_inv).to(self.dtype)
 
