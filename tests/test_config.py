@@ -27,6 +27,8 @@ def test_round_trip_through_dict():
     ("train.lr", "expected key=value"),
     ("model.norm=batchnorm", "model.norm='batchnorm'"),
     ("model.n_head=5", "not a multiple of model.n_head"),
+    ("train.log_every=0", "train.log_every=0; expected an integer >= 1"),
+    ("train.eval_every=-1", "train.eval_every=-1; expected an integer >= 0"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):

@@ -95,7 +95,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    eval_every: int = 100
+    eval_every: int = 100            # evaluate every N steps (0 = only at the end)
     eval_batches: int = 10
     log_every: int = 10
     seed: int = 0
@@ -104,6 +104,12 @@ class TrainConfig:
     compile: bool = False            # torch.compile the model
     cuda_graphs: str = "auto"        # auto | true | false: replay each optimizer step as one CUDA graph
                                      # (auto: on a single CUDA process without dropout; see tilewise/graphs.py)
+
+    def validate(self) -> None:
+        for name, least in (("batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("eval_every", 0),
+                            ("eval_batches", 1), ("log_every", 1), ("warmup_steps", 0)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"train.{name}={getattr(self, name)}; expected an integer >= {least}")
     progress: bool = True
 
 
@@ -248,6 +254,7 @@ def load_config(preset: str | None = None, toml_path: str | None = None, overrid
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.lr=3e-4")
         apply(cfg, key.strip(), _parse_value(text.strip()))
     cfg.model.validate()
+    cfg.train.validate()
     return cfg
 
 

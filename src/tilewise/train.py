@@ -387,7 +387,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
                     graph = None
             loss_sum += step_loss
             done = step + 1
-            is_eval = done % t.eval_every == 0 or done == t.max_steps
+            is_eval = (t.eval_every > 0 and done % t.eval_every == 0) or done == t.max_steps
             if done % t.log_every == 0 or is_eval:
                 grad_norm = full_value(grad_norm)
                 d.all_reduce(loss_sum, "mean")
