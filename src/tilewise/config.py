@@ -35,6 +35,7 @@ class ModelConfig:
     norm: str = "layernorm"          # layernorm | rmsnorm
     mlp: str = "gelu"                # gelu | swiglu
     pos: str = "learned"             # learned | rope
+    attention: str = "flash"         # flash (bf16) | fp8 | fp8_rotate (ops.fp8_flash_attention; experimental)
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     bias: bool = True
@@ -59,7 +60,8 @@ class ModelConfig:
         return 4 * self.d_model
 
     def validate(self) -> None:
-        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope")}
+        choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
+                   "attention": ("flash", "fp8", "fp8_rotate")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {allowed}")
@@ -71,6 +73,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim = d_model / n_head = {self.head_dim}; expected a multiple of 8 up to 256")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout}; expected 0 <= dropout < 1")
+        hd = self.head_dim
+        if self.attention == "fp8_rotate" and (hd < 32 or hd & (hd - 1)):
+            raise ConfigError(f"model.attention='fp8_rotate' needs head_dim a power of two >= 32; it is {hd}")
 
 
 @dataclass

@@ -62,6 +62,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.n_head, self.n_kv, self.head_dim = layer, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.kind = cfg.attention
         self.qkv = Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
         self.proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
 
@@ -73,7 +74,10 @@ class Attention(nn.Module):
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        out = ops.flash_attention(q, k, v, causal=True)
+        if self.kind == "flash":
+            out = ops.flash_attention(q, k, v, causal=True)
+        else:
+            out = ops.fp8_flash_attention(q, k, v, causal=True, rotate=self.kind == "fp8_rotate")
         return self.proj(out.reshape(B, T, self.n_head * self.head_dim))
 
 
