@@ -27,6 +27,8 @@ Flash attention: the N x N scores never reach HBM.
 - Tiles: each kernel has a short list of (BLOCK_M, BLOCK_N, warps, stages) candidates per head_dim (CONFIGS);
   the first call with a new key (head_dim, mask, dtype, sequence-length class) times them and keeps the
   fastest. TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS replaces the lists.
+  Launches go through ops.launch.FastLauncher: after a key's first call the compiled kernel is launched
+  directly (Triton's per-launch Python made short sequences host-bound on the H200's host).
 
 Conventions (the flash-attn ones):
 - q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); heads_q is a
