@@ -312,6 +312,43 @@ def test_cpu_dispatch_runs_the_emulation():
     assert out.dtype == torch.float64
 
 
+def transposed_copy_problems(n, heads, head_dim, dtype, device, packed):
+    """The quantization pass's transposed copies against its row-major ones, byte for byte, for row and
+    block scales, with and without the rotation (the transposes the backward's dK/dV and dQ GEMMs read)."""
+    torch.manual_seed(0)
+    lengths = [n // 3, 1, n - n // 3 - 1] if packed else None
+    x = torch.randn((n if packed else 2 * n), heads, head_dim, device=device).to(dtype) * 3
+    if packed:
+        cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+        cu_t, batch, seqlen, max_len = f8._t_offsets(cu), len(lengths), 0, max(lengths)
+    else:
+        x = x.reshape(2, n, heads, head_dim)
+        cu = cu_t = None
+        batch, seqlen, max_len = 2, n, n
+    problems = []
+    for rowwise in (True, False):
+        for rotate in (False, True):
+            rot = f8.rotation(head_dim, device) if rotate else None
+            x8, x8t, _ = f8._quantize(x, cu, cu_t, batch, seqlen, max_len, rowwise=rowwise, rot=rot,
+                                      transposed=True)
+            if packed:
+                starts, offsets = cu.tolist(), cu_t.tolist()
+                back = torch.cat([x8t[:, :, o:o + e - s].permute(2, 0, 1)
+                                  for s, e, o in zip(starts[:-1], starts[1:], offsets[:-1])])
+            else:
+                back = x8t[..., :n].permute(0, 3, 1, 2)
+            diff = back.contiguous().view(torch.uint8) != x8.view(torch.uint8)
+            if diff.any():
+                problems.append(f"rowwise={rowwise} rotate={rotate}: {int(diff.sum())} of {diff.numel()} bytes")
+    return problems
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transposed_copies_match_row_copies(packed, dtype, device):
+    assert not transposed_copy_problems(70, 2, 32, dtype, device, packed)
+
+
 # ------------------------------------------------------------------------------------------ accuracy
 
 def test_rotation_beats_naive_per_tensor_fp8_on_outlier_inputs(device, tma):
@@ -551,3 +588,14 @@ def test_gpu_deterministic(tma):
     runs = [_grads(lambda *t: fp8_flash_attention(*t, causal=True), (q, k, v), dout)[0] for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_transposed_copies_match_row_copies(packed, dtype, head_dim):
+    """Triton 3.6 scrambled 8-bit register transposes here (a quarter of Q's transposed bytes on the H200,
+    NaN patterns among them): the dK/dV gradients went NaN."""
+    problems = transposed_copy_problems(2048, 8, head_dim, dtype, "cuda", packed)
+    assert not problems, "; ".join(problems)

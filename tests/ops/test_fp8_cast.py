@@ -19,6 +19,7 @@ from tilewise.ops.fp8_cast import (FP8_MAX, block_dequantize_reference, fallback
                                    fp8_cast_reference)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+IN_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (smallest normal exponent, mantissa bits)
 GRID = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
 
@@ -442,12 +443,14 @@ def test_kernels_compile_for_hopper_and_defaults_do_not_spill():
 # all of them, so one log line tells what went wrong and by how much.
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", IN_DTYPES)
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("shape", [(16384, 768), (4096, 14336), (8192, 2048), (1000, 3000)])
-def test_gpu_kernel_matches_reference(fp8_dtype, shape):
+def test_gpu_kernel_matches_reference(fp8_dtype, shape, in_dtype):
+    """Every input dtype: Triton 3.6 transposed 8-bit register tiles wrongly for fp32 input only."""
     M, N = shape
     torch.manual_seed(0)
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(shape, device="cuda", dtype=in_dtype) * 3
     x[17, 5] = float("nan")
     scale = torch.tensor([37.5], device="cuda")
     problems = []
@@ -485,12 +488,13 @@ def test_gpu_kernel_matches_reference(fp8_dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("current", [False, True])
 @pytest.mark.parametrize("shape", [(1000, 3000), (16384, 768)])
-def test_gpu_every_config_and_reruns(current, shape):
+def test_gpu_every_config_and_reruns(current, shape, in_dtype):
     """Each candidate config alone, then all of them in turn on the same buffers (what a sweep does)."""
     torch.manual_seed(1)
-    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(shape, device="cuda", dtype=in_dtype) * 3
     tiles = list(fp8_cast_module._CAST_CONFIGS)
     problems = []
     for run in [[t] for t in tiles] + [tiles, tiles[::-1]]:
@@ -507,3 +511,10 @@ def test_current_scales_are_16_byte_aligned(device, triton_path):
     assert scales.shape == (2,)
     assert scales[1:2].data_ptr() % 16 == 0
     assert torch.allclose(scales[0] * scales[1], torch.ones((), device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_block_cast_matches_reference_bits(fp8_dtype, in_dtype):
+    test_block_cast_matches_reference_bits(fp8_dtype, in_dtype, "cuda")

@@ -123,11 +123,12 @@ def _scales(amax):
 
 
 @triton.jit
-def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                   EMU: tl.constexpr):
-    """(x8, scale) of a (rows, BLOCK_D) tile: one scale per row (ROWWISE) or one for the tile, after the
-    optional rotation x @ R (R: +-1 entries in bf16, exact; fp32 accumulation). The forward's inline Q and
-    the quantization pass run this same code, so they produce the same bits."""
+def _scale_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                EMU: tl.constexpr):
+    """(x scaled onto E4M3's range, still float32; scale back) of a (rows, BLOCK_D) tile: one scale per row
+    (ROWWISE) or one for the tile, after the optional rotation x @ R (R: +-1 entries in bf16, exact; fp32
+    accumulation). The forward's inline Q and the quantization pass run this same code, so they produce the
+    same bits."""
     if ROTATE:
         r = tl.load(ROT + offs_d[:, None] * BLOCK_D + offs_d[None, :])
         xf = _dot(_cast(x.to(tl.float32), tl.bfloat16, EMU), r, None, "tf32", EMU)
@@ -135,11 +136,19 @@ def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, 
         xf = x.to(tl.float32)
     if ROWWISE:
         inv, scale = _scales(tl.max(tl.abs(xf), 1))
-        x8 = _e4m3(xf * inv[:, None], EMU)
+        xs = xf * inv[:, None]
     else:
         inv, scale = _scales(tl.max(tl.max(tl.abs(xf), 1), 0))
-        x8 = _e4m3(xf * inv, EMU)
-    return x8, scale
+        xs = xf * inv
+    return xs, scale
+
+
+@triton.jit
+def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                   EMU: tl.constexpr):
+    """(x8, scale) of a (rows, BLOCK_D) tile; see _scale_tile."""
+    xs, scale = _scale_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
+    return _e4m3(xs, EMU), scale
 
 
 @triton.jit
@@ -207,18 +216,18 @@ def _fp8_quantize(X, X8, X8T, SC, ROT, CU, CU_T,
     offs_d = tl.arange(0, BLOCK_D)
     x = _load_tile(X + b64 * sxb + start64 * sxs + h64 * sxh + rows.to(tl.int64)[:, None] * sxs + offs_d[None, :],
                    rows, sl, offs_d, HEAD_DIM, BLOCK_D, True)
-    x8, scale = _quantize_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
+    xs, scale = _scale_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
     if ROWWISE:
         tl.store(SC + b64 * scb + h64 * sch + start64 + rows, scale, mask=rows < sl)
     else:
         tl.store(SC + b64 * scb + h64 * sch + r0 // ROWS, scale)
     if WRITE_ROWS:
         ptrs = X8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :]
-        _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
-    if WRITE_T:
+        _store_tile(ptrs, _e4m3(xs, EMU), rows, sl, offs_d, HEAD_DIM)
+    if WRITE_T:  # transposed in float32, then cast: see tilewise.ops.fp8_cast on 8-bit transposes
         tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
         ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + rows[None, :]
-        tl.store(ptrs, tl.trans(x8), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
+        tl.store(ptrs, _e4m3(tl.trans(xs), EMU), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
 
 
 # ----------------------------------------------------------------------------------------------

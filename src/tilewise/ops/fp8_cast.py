@@ -18,6 +18,11 @@ Two ways to scale, one kernel each:
 The amax: max|x| folded into a float32 slot with an int32 atomic max on its bits. For non-negative floats,
 and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach the scale
 update, which then skips them.
+Transposed copies are transposed in float32 and cast afterwards, never as FP8 registers: Triton 3.6 on
+sm_90 scrambles a quarter of the bytes when it transposes an 8-bit register tile in some layouts (every tile
+of this kernel with float32 input, NaN bit patterns among them; bf16 input happened to come out right), which
+is what made FP8 training with fp32 master weights go NaN. The gpu tests compare every copy bitwise against
+torch's cast for each input dtype.
 Column sums: per 32-row block into a (rows/32, cols) fp32 buffer that one torch.sum reduces. Deterministic
 (no float atomics), and the same values whatever the tile, so a rerun with another tile is harmless.
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
@@ -157,11 +162,13 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _saturate_to_fp8(x * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
     if WRITE_Y:
+        y = _saturate_to_fp8(x * scale, y_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
     if WRITE_T:
-        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
+        yt = _saturate_to_fp8(tl.trans(x) * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_N, BLOCK_M)
+        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], yt,
+                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     if COL_SUMS:
@@ -198,8 +205,10 @@ def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc
         tl.store(ys_ptr + pid_n * M + offs_m, tl.math.div_rn(1.0, s), mask=offs_m < M)
     if WRITE_T:
         s = _block_scales(tl.max(bits, axis=0).to(tl.float32, bitcast=True), fp8_max)
-        yt = _saturate_to_fp8(x * s[None, :], yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S, BLOCK_S)
-        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(yt), mask=tl.trans(mask))
+        yt = _saturate_to_fp8(tl.trans(x * s[None, :]), yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S,
+                              BLOCK_S)
+        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], yt,
+                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
         tl.store(yts_ptr + pid_m * N + offs_n, tl.math.div_rn(1.0, s), mask=offs_n < N)
     if ACC_AMAX:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(bits, axis=1), axis=0))
