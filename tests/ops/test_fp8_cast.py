@@ -518,3 +518,10 @@ def test_current_scales_are_16_byte_aligned(device, triton_path):
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_block_cast_matches_reference_bits(fp8_dtype, in_dtype):
     test_block_cast_matches_reference_bits(fp8_dtype, in_dtype, "cuda")
+    for M, N in ((4096, 2048), (16384, 768)):  # aligned: vectorized loads, where ptxas 12.8 went wrong
+        x = torch.randn(M, N, device="cuda", dtype=in_dtype) * torch.logspace(-3, 3, N, device="cuda").to(in_dtype)
+        got = fp8_block_cast(x, fp8_dtype, transpose=True)
+        want = fp8_block_cast_reference(x, fp8_dtype, transpose=True)
+        for name, a, b in zip(("y", "y_scales", "y_t", "y_t_scales"), got, want):
+            bad = mismatch(a, b) if a.dtype == fp8_dtype else ("" if torch.equal(a, b) else "scales differ")
+            assert not bad, f"({M}, {N}) {name}: {bad}"

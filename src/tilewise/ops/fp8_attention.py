@@ -30,7 +30,9 @@ transposed): FP8 wgmma wants both operands K-major, so PV needs V^T in memory, a
 the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q is
 quantized inside the forward kernel (by the pass only with rotate=True). The backward's pass writes Q, dO,
 K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequences start at multiples of 16
-tokens in the transposed copies (TMA tiles start 16-byte aligned).
+tokens in the transposed copies (TMA tiles start 16-byte aligned). A tensor's row-major and transposed
+copies come from two launches (two reads): one kernel writing both is miscompiled by the ptxas Triton 3.6
+bundles (tilewise.ops.fp8_cast says more).
 
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
 E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
@@ -123,12 +125,11 @@ def _scales(amax):
 
 
 @triton.jit
-def _scale_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                EMU: tl.constexpr):
-    """(x scaled onto E4M3's range, still float32; scale back) of a (rows, BLOCK_D) tile: one scale per row
-    (ROWWISE) or one for the tile, after the optional rotation x @ R (R: +-1 entries in bf16, exact; fp32
-    accumulation). The forward's inline Q and the quantization pass run this same code, so they produce the
-    same bits."""
+def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                   EMU: tl.constexpr):
+    """(x8, scale) of a (rows, BLOCK_D) tile: one scale per row (ROWWISE) or one for the tile, after the
+    optional rotation x @ R (R: +-1 entries in bf16, exact; fp32 accumulation). The forward's inline Q and
+    the quantization pass run this same code, so they produce the same bits."""
     if ROTATE:
         r = tl.load(ROT + offs_d[:, None] * BLOCK_D + offs_d[None, :])
         xf = _dot(_cast(x.to(tl.float32), tl.bfloat16, EMU), r, None, "tf32", EMU)
@@ -136,19 +137,11 @@ def _scale_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLO
         xf = x.to(tl.float32)
     if ROWWISE:
         inv, scale = _scales(tl.max(tl.abs(xf), 1))
-        xs = xf * inv[:, None]
+        x8 = _e4m3(xf * inv[:, None], EMU)
     else:
         inv, scale = _scales(tl.max(tl.max(tl.abs(xf), 1), 0))
-        xs = xf * inv
-    return xs, scale
-
-
-@triton.jit
-def _quantize_tile(x, ROT, offs_d, ROWWISE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                   EMU: tl.constexpr):
-    """(x8, scale) of a (rows, BLOCK_D) tile; see _scale_tile."""
-    xs, scale = _scale_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
-    return _e4m3(xs, EMU), scale
+        x8 = _e4m3(xf * inv, EMU)
+    return x8, scale
 
 
 @triton.jit
@@ -216,18 +209,18 @@ def _fp8_quantize(X, X8, X8T, SC, ROT, CU, CU_T,
     offs_d = tl.arange(0, BLOCK_D)
     x = _load_tile(X + b64 * sxb + start64 * sxs + h64 * sxh + rows.to(tl.int64)[:, None] * sxs + offs_d[None, :],
                    rows, sl, offs_d, HEAD_DIM, BLOCK_D, True)
-    xs, scale = _scale_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
+    x8, scale = _quantize_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
     if ROWWISE:
         tl.store(SC + b64 * scb + h64 * sch + start64 + rows, scale, mask=rows < sl)
     else:
         tl.store(SC + b64 * scb + h64 * sch + r0 // ROWS, scale)
     if WRITE_ROWS:
         ptrs = X8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :]
-        _store_tile(ptrs, _e4m3(xs, EMU), rows, sl, offs_d, HEAD_DIM)
-    if WRITE_T:  # transposed in float32, then cast: see tilewise.ops.fp8_cast on 8-bit transposes
+        _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
+    if WRITE_T:
         tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
         ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + rows[None, :]
-        tl.store(ptrs, _e4m3(tl.trans(xs), EMU), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
+        tl.store(ptrs, tl.trans(x8), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -726,14 +719,18 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
         return x8, x8t, scales
     block_d = _block_d(head_dim)
     warps = 8 if block * block_d >= 16384 else 4
-    for b0 in range(0, batch, attn._MAX_GRID_YZ):
-        nb = min(batch - b0, attn._MAX_GRID_YZ)
-        _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
-            x, x8, x8t, scales, rot, cu, cu_t, *_seq_strides(x, packed),
-            *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
-            *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
-            WRITE_ROWS=rows, WRITE_T=transposed, VARLEN=packed, EMU=_INTERPRET, num_warps=warps)
+    # Both copies in one kernel miscompile on sm_90 with Triton 3.6's ptxas (see tilewise.ops.fp8_cast; here
+    # for bf16 input too): the row-major copy and the transposed one are written by separate launches.
+    passes = [(True, False), (False, True)] if rows and transposed else [(rows, transposed)]
+    for write_rows, write_t in passes:
+        for b0 in range(0, batch, attn._MAX_GRID_YZ):
+            nb = min(batch - b0, attn._MAX_GRID_YZ)
+            _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
+                x, x8, x8t, scales, rot, cu, cu_t, *_seq_strides(x, packed),
+                *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
+                *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
+                WRITE_ROWS=write_rows, WRITE_T=write_t, VARLEN=packed, EMU=_INTERPRET, num_warps=warps)
     return x8, x8t, scales
 
 

@@ -18,11 +18,12 @@ Two ways to scale, one kernel each:
 The amax: max|x| folded into a float32 slot with an int32 atomic max on its bits. For non-negative floats,
 and NaN once the sign bit is cleared, integer order is float order, so NaN and inf win and reach the scale
 update, which then skips them.
-Transposed copies are transposed in float32 and cast afterwards, never as FP8 registers: Triton 3.6 on
-sm_90 scrambles a quarter of the bytes when it transposes an 8-bit register tile in some layouts (every tile
-of this kernel with float32 input, NaN bit patterns among them; bf16 input happened to come out right), which
-is what made FP8 training with fp32 master weights go NaN. The gpu tests compare every copy bitwise against
-torch's cast for each input dtype.
+Both copies from one read only for 16-bit input. With both stores in one kernel, the ptxas that Triton 3.6
+bundles (CUDA 12.8) miscompiles the transposed FP8 store for float32 input on sm_90: a quarter of its bytes
+are foreign (NaN patterns among them), on every tile; CUDA 13.0's ptxas compiles the same code correctly,
+and a kernel that writes only the transposed copy is correct with either. So a float32 tensor (the master
+weight, cast once per optimizer step) takes two passes, the row-major copy and then the transposed one; the
+gpu tests compare every copy bitwise against torch's cast for each input dtype and tile.
 Column sums: per 32-row block into a (rows/32, cols) fp32 buffer that one torch.sum reduces. Deterministic
 (no float atomics), and the same values whatever the tile, so a rerun with another tile is harmless.
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
@@ -49,6 +50,7 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Smallest normal exponent and mantissa bits, for rounding onto the FP8 grid (interpreter only, below).
 _FP8_GRID = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FUSED_COPIES_DTYPES = (torch.bfloat16, torch.float16)  # both copies in one pass (see the module docstring)
 BLOCK = 128                    # the block-scaling segment length (the "128" of 1x128)
 _SUB_M = 32                    # rows per column-sum partial; divides every tile's BLOCK_M
 _PARTS = 512                   # most amax partials of a current-scaling pass (one per program)
@@ -162,13 +164,11 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _saturate_to_fp8(x * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
     if WRITE_Y:
-        y = _saturate_to_fp8(x * scale, y_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
     if WRITE_T:
-        yt = _saturate_to_fp8(tl.trans(x) * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_N, BLOCK_M)
-        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], yt,
-                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
     if COL_SUMS:
@@ -205,10 +205,8 @@ def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc
         tl.store(ys_ptr + pid_n * M + offs_m, tl.math.div_rn(1.0, s), mask=offs_m < M)
     if WRITE_T:
         s = _block_scales(tl.max(bits, axis=0).to(tl.float32, bitcast=True), fp8_max)
-        yt = _saturate_to_fp8(tl.trans(x * s[None, :]), yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S,
-                              BLOCK_S)
-        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], yt,
-                 mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+        yt = _saturate_to_fp8(x * s[None, :], yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_S, BLOCK_S)
+        tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(yt), mask=tl.trans(mask))
         tl.store(yts_ptr + pid_m * N + offs_n, tl.math.div_rn(1.0, s), mask=offs_n < N)
     if ACC_AMAX:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(bits, axis=1), axis=0))
@@ -370,16 +368,26 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
         raise ValueError(f"fp8 cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
     tiles = tuple(tiles) if tiles is not None else cast_tiles(x, y, yt)
     write_y, write_t, acc = y is not None, yt is not None, amax_i32 is not None
+    scratch = scratch if scratch is not None else scale
+    no_amax = scale.view(torch.int32)
     # a copy not asked for gets the other's pointer (never written: its WRITE_* is off)
-    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch if scratch is not None else scale,
-            n_parts, amax_i32 if acc else scale.view(torch.int32))
+    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts,
+            amax_i32 if acc else no_amax)
     tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
+    split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES
 
     def launch(partials):
         sums = partials is not None
         for tile in tiles:
-            _cast_plan(current, write_y, write_t, acc, sums, fp8_dtype, tile)(
-                (cdiv(M, tile[0]), cdiv(N, tile[1])), *args, partials if sums else scale, *tail)
+            grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
+            if split:  # the row-major copy with the amax and sums, then the transposed copy alone
+                _cast_plan(current, True, False, acc, sums, fp8_dtype, tile)(
+                    grid, x, y, y, M, N, scale, scratch, n_parts, args[-1], partials if sums else scale, *tail)
+                _cast_plan(current, False, True, False, False, fp8_dtype, tile)(
+                    grid, x, yt, yt, M, N, scale, scratch, n_parts, no_amax, scale, *tail)
+            else:
+                _cast_plan(current, write_y, write_t, acc, sums, fp8_dtype, tile)(
+                    grid, *args, partials if sums else scale, *tail)
 
     key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles)
     name = lambda: (f"_fp8_cast_kernel(CURRENT={current}, WRITE_Y={write_y}, WRITE_T={write_t}, ACC_AMAX={acc}, "
@@ -398,11 +406,18 @@ def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=N
     args = (x, y if write_y else some, yt if write_t else some, ys if write_y else some_s,
             yts if write_t else some_s, M, N, amax_i32 if acc else some_s.view(torch.int32))
     grid = (cdiv(M, BLOCK), cdiv(N, BLOCK))
+    split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES  # see the module docstring
 
     def launch(partials):
         sums = partials is not None
-        _block_plan(write_y, write_t, acc, sums, fp8_dtype, warps)(
-            grid, *args, partials if sums else some_s, FP8_MAX[fp8_dtype])
+        if split:  # the row-major copy with the amax and sums, then the transposed copy alone
+            _block_plan(True, False, acc, sums, fp8_dtype, warps)(
+                grid, x, y, y, ys, ys, M, N, args[-1], partials if sums else ys, FP8_MAX[fp8_dtype])
+            _block_plan(False, True, False, False, fp8_dtype, warps)(
+                grid, x, yt, yt, yts, yts, M, N, yts.view(torch.int32), yts, FP8_MAX[fp8_dtype])
+        else:
+            _block_plan(write_y, write_t, acc, sums, fp8_dtype, warps)(
+                grid, *args, partials if sums else some_s, FP8_MAX[fp8_dtype])
 
     key = ("block", write_y, write_t, acc, x.dtype, fp8_dtype, warps)
     name = lambda: f"_fp8_block_cast_kernel(WRITE_Y={write_y}, WRITE_T={write_t}, warps={warps})"
