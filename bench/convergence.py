@@ -127,7 +127,8 @@ def main() -> int:
             print(f"{name}: val {run['final_val_loss']}, {run.get('wall_s')} s {run.get('error', '')}", flush=True)
             result = {"area": "convergence", **environment(), "rows": judge(runs), "runs": list(runs.values()),
                       "command": f"PYTHONPATH=src python3 bench/convergence.py --preset {args.preset} "
-                                 f"--steps {args.steps} --variants ... [--merge ...]"}
+                                 f"--steps {args.steps} --variants {','.join(runs)}"
+                                 + "".join(f" --set {s}" for s in args.set)}
             for d in dests:
                 os.makedirs(d, exist_ok=True)
                 with open(os.path.join(d, "convergence.json"), "w") as f:

@@ -56,7 +56,12 @@ def render() -> str:
     parts = []
     for path in paths:
         with open(path) as f:
-            parts.append(table(json.load(f)))
+            result = json.load(f)
+        parts.append(table(result))
+        if result.get("fp8_rows"):  # bench/attention.py --fp8: its own run, commit and rows
+            parts.append(table({**result, **result.get("fp8_env", {}), "area": f"{result['area']} (FP8)",
+                                "rows": result["fp8_rows"],
+                                "command": "TILEWISE_COMMIT=<sha> BENCH_ARGS=--fp8-only bash bench/h200.sh attention"}))
     return "\n\n".join(parts) if parts else "No results yet."
 
 
