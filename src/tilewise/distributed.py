@@ -209,7 +209,7 @@ def parallelize(model: nn.Module, cfg: Config, d: Dist, compute_dtype: torch.dty
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     if cfg.fp8.fsdp_fp8_all_gather and cfg.fp8.recipe == "delayed":
         from .fp8.fsdp import enable_fp8_all_gather
-        enable_fp8_all_gather(model, shard_size=d.mesh.size(d.mesh.ndim - 1))
+        enable_fp8_all_gather(model, shard_size=d.mesh.size(d.mesh.ndim - 1), param_dtype=mp.param_dtype)
     reshard = bool(cfg.distributed.reshard_after_forward)
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):

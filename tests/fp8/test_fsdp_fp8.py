@@ -124,6 +124,24 @@ def test_hooks_cast_the_shard_with_the_slot_scale_and_feed_the_gemms():
     assert gathered._scale_inv is inv
 
 
+def test_shards_are_rounded_to_the_param_dtype_before_the_cast():
+    """Under FSDP2 with param_dtype bf16 over fp32 masters the plain gather hands the layer a bf16 weight to
+    cast; the FP8 shard is that same cast (bytes and amax), not the cast of the fp32 master, which differs."""
+    m = _mlp()
+    st = convert_to_fp8(m, "delayed")
+    enable_fp8_all_gather(m, shard_size=1, param_dtype=torch.bfloat16)
+    w = m[0].weight
+    (q,), (inv,) = w.fsdp_pre_all_gather(None)
+    w16 = w._tensor.bfloat16().float()
+    amax = w16.abs().max()
+    want = (w16 * (448.0 / amax)).clamp(-448, 448).to(E4M3)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert float(st.amax_history[0, 1]) == float(amax)
+    direct = (w._tensor * (448.0 / w._tensor.abs().max())).clamp(-448, 448).to(E4M3)
+    assert not torch.equal(direct.view(torch.uint8), want.view(torch.uint8))   # the rounding matters here
+    assert m[0].weight.detach()._cast_from == torch.bfloat16                  # kept through FSDP2's views
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fp8_linear_uses_the_gathered_weight_without_casting(device):
     """An Fp8Linear whose weight is an Fp8GatheredWeight computes with its FP8 data: forward and input

@@ -13,6 +13,11 @@ tensor is one:
   the step reuse it. Until the first step() fills the history (the recipe then uses current scaling), the
   ranks agree on a scale by MAX-reducing their shards' amaxes over the shard group first: one scalar
   all-reduce per layer, on the first step only.
+- The shard is first rounded to FSDP2's parameter dtype (mp_policy.param_dtype, given to
+  enable_fp8_all_gather) when that is narrower than the master's: the plain path would cast the gathered
+  bf16 weight, so the FP8 bytes, the amax and hence every later scale are the same bits either way and the FP8
+  gather changes only what travels, not the numbers (without it, bf16 training with fp32 masters took
+  different roundings and the one-rank H200 test drifted 5% apart in 20 steps).
 - fsdp_post_all_gather wraps the gathered FP8 weight and its inverse scale in an Fp8GatheredWeight, which
   Fp8Linear's forward uses as it is (the transposed copy for the input-gradient GEMM is a transpose of the
   FP8 data, no second cast).
@@ -53,14 +58,15 @@ class Fp8ShardedWeight(torch.Tensor):
     `_layer` is the Fp8Linear whose Fp8State and weight slot give the scale and receive the amax."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, layer: Fp8Linear):
+    def __new__(cls, tensor: torch.Tensor, layer: Fp8Linear, cast_from: torch.dtype | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
             dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
 
-    def __init__(self, tensor: torch.Tensor, layer: Fp8Linear):
+    def __init__(self, tensor: torch.Tensor, layer: Fp8Linear, cast_from: torch.dtype | None = None):
         self._tensor = tensor
         self._layer = layer
+        self._cast_from = cast_from   # round the shard to this dtype before the FP8 cast (FSDP2's param_dtype)
         self._mutations = 0      # in-place ops made through this wrapper (the optimizer's, load_state_dict's)
         self._fp8_cache = None   # (key, fp8 shard, inverse scale)
 
@@ -68,20 +74,20 @@ class Fp8ShardedWeight(torch.Tensor):
         return f"Fp8ShardedWeight({self._tensor!r})"
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self._layer
+        return ["_tensor"], (self._layer, self._cast_from)
 
     @staticmethod
-    def __tensor_unflatten__(inner, layer, outer_size, outer_stride):
-        return Fp8ShardedWeight(inner["_tensor"], layer)
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8ShardedWeight(inner["_tensor"], *meta)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        layer, mutable = None, func._schema.is_mutable
+        layer, cast_from, mutable = None, None, func._schema.is_mutable
 
         def unwrap(t):
-            nonlocal layer
+            nonlocal layer, cast_from
             if layer is None:
-                layer = t._layer
+                layer, cast_from = t._layer, t._cast_from
             if mutable:   # the inner tensor's version counter does not see ops made through the wrapper
                 t._mutations += 1
             return t._tensor
@@ -90,7 +96,7 @@ class Fp8ShardedWeight(torch.Tensor):
         out = func(*args, **kwargs)
         if func not in _KEEP_SHARDED:
             return out
-        return tree_map_only(torch.Tensor, lambda t: Fp8ShardedWeight(t, layer), out)
+        return tree_map_only(torch.Tensor, lambda t: Fp8ShardedWeight(t, layer, cast_from), out)
 
     # -- FSDP2 all-gather extension (the one-argument signature: torch 2.11 and 2.13 both call it) -------------
     def fsdp_pre_all_gather(self, mesh):
@@ -116,6 +122,8 @@ class Fp8ShardedWeight(torch.Tensor):
         c = self._fp8_cache
         if c is not None and c[0] == key:
             return c[1], c[2]
+        if self._cast_from is not None and self._cast_from.itemsize < x.dtype.itemsize:
+            x = x.to(self._cast_from)
         scale, scale_inv, amax_i32 = state.views(slot)
         if not state.warm:
             scale = _agreed_current_scale(x, state, slot, mesh)
@@ -211,9 +219,11 @@ def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata):
                                              shape=value.shape, stride=value.stride())
 
 
-def enable_fp8_all_gather(model: nn.Module, shard_size: int) -> list[str]:
+def enable_fp8_all_gather(model: nn.Module, shard_size: int, param_dtype: torch.dtype | None = None) -> list[str]:
     """Wrap the weight of every Fp8Linear of `model` whose recipe is "delayed" in an Fp8ShardedWeight, so that
-    fully_shard (called next) gathers it in FP8. shard_size: ranks a weight is sharded over; a weight whose
+    fully_shard (called next) gathers it in FP8. param_dtype: the mp_policy's param_dtype that fully_shard will
+    get (shards are rounded to it before the cast, as the plain gather would). shard_size: ranks a weight is
+    sharded over; a weight whose
     out_features it does not divide stays as it is (its shards would differ in size, which the all-gather
     extension cannot pad), and so does one shared with another module. Returns the names of the wrapped
     layers. Call before fully_shard and before the optimizer is made (the Parameter objects are replaced)."""
@@ -232,7 +242,7 @@ def enable_fp8_all_gather(model: nn.Module, shard_size: int) -> list[str]:
             continue
         if m.out_features % shard_size or owners[id(w)] > 1 or type(w.data) is not torch.Tensor:
             continue
-        m.weight = nn.Parameter(Fp8ShardedWeight(w.detach(), m), requires_grad=w.requires_grad)
+        m.weight = nn.Parameter(Fp8ShardedWeight(w.detach(), m, param_dtype), requires_grad=w.requires_grad)
         if not getattr(m, "_tilewise_fp8_sd_hook", False):
             m._register_state_dict_hook(_plain_weight_in_state_dict)
             m._tilewise_fp8_sd_hook = True
