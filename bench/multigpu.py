@@ -376,7 +376,7 @@ class Bench:
             overrides = {**self.common_overrides(), "distributed.strategy": strategy, "train.batch_size": global_rows,
                          "train.max_steps": s.log_every + s.steps, "train.log_every": s.log_every,
                          "train.eval_every": 10 ** 9, "train.eval_batches": 1, "checkpoint.every": 0,
-                         "checkpoint.keep": 1}
+                         "checkpoint.keep": 1, "checkpoint.at_end": "false"}
             if precision == "fp8":
                 overrides["fp8.recipe"] = json.dumps("delayed")
             launch, timeout = self.run(gpus, trainer_target(s.preset, self.data_dir(s.preset), out_dir, overrides),
@@ -510,12 +510,13 @@ class Bench:
                       os.path.join(out_dir, "checkpoints", step_dir(start)))
             global_rows = saved_overrides["train.batch_size"]
             overrides = {**saved_overrides, "train.max_steps": start + s.resume_steps, "checkpoint.every": 0,
+                         "checkpoint.at_end": "false",
                          "train.grad_accum": grad_accum_for(global_rows, gpus, s.rows_per_gpu)}
             launch, timeout = self.run(gpus, trainer_target(s.preset, data_dir, out_dir, overrides, resume=True),
                                        f"checkpoint: resume step {start}")
             if launch.code != 0:
                 return self.error_row(shape, unit, failure_of(launch, timeout), launch)
-            records, _ = read_run(out_dir)
+            records, summary = read_run(out_dir)
             saved = {r["step"]: r["loss"] for r in saved_records}
             pairs = [(r["loss"], saved[r["step"]]) for r in records if r["step"] in saved]
             if len(pairs) != s.resume_steps:
@@ -526,11 +527,12 @@ class Bench:
             return {"shape": shape, "unit": unit, "tilewise": float(f"{worst:.3g}"),
                     "agrees": worst <= s.resume_tolerance, "grad_accum": overrides["train.grad_accum"],
                     "wall_s": round(launch.seconds, 1),
+                    "load_s": None if summary.get("load_s") is None else round(summary["load_s"], 2),
                     "details": {"losses": [[round(a, 5), round(b, 5)] for a, b in pairs],
                                 "ready_s": None if ready is None else round(ready, 2),
                                 "saved_run_ready_s": None if saved_ready is None else round(saved_ready, 2),
-                                "note": "ready_s: from the launch to the trainer's first line, which it prints after "
-                                        "restoring the checkpoint (the trainer does not record its load time)"}}
+                                "note": "load_s: the trainer's restore of the checkpoint (rank 0's summary.json); "
+                                        "ready_s: from the launch to the trainer's first line, printed after it"}}
         except SkipLaunch as e:
             return self.error_row(shape, unit, str(e))
         except Exception as e:
@@ -555,7 +557,7 @@ class Bench:
         common = {**self.common_overrides(), "train.batch_size": global_rows, "train.max_steps": s.correctness_steps,
                   "train.warmup_steps": max(1, s.correctness_steps // 10), "train.log_every": log_every,
                   "train.eval_every": max(1, s.correctness_steps // 2), "train.eval_batches": 2,
-                  "checkpoint.every": 0, "checkpoint.keep": 1}
+                  "checkpoint.every": 0, "checkpoint.keep": 1, "checkpoint.at_end": "false"}
         references: dict[str, list[dict] | str] = {}   # precision -> the one-GPU records, or why there are none
 
         def reference(precision: str):

@@ -56,6 +56,15 @@ def test_loss_falls_on_real_text_and_run_dir_is_complete(tmp_path, tmp_path_fact
     assert 0 <= saves[0]["blocked_s"] <= saves[0]["durable_s"] and saves[0]["bytes"] > 0
 
 
+def test_checkpoint_at_end_off_saves_nothing_at_the_end(tmp_path, tmp_path_factory):
+    """checkpoint.at_end=false: the periodic saves happen, the end-of-run save does not."""
+    cfg = small_run(tmp_path, stdlib_subset(tmp_path_factory), steps=6, **{"checkpoint.every": 4,
+                                                                           "checkpoint.at_end": "false"})
+    train(cfg)
+    ckpts = os.path.join(cfg.train.out_dir, "checkpoints")
+    assert sorted(n for n in os.listdir(ckpts) if n.startswith("step_")) == ["step_00000004"]
+
+
 @pytest.mark.parametrize("dropout, accum", [(0.0, 1), (0.1, 2)])
 def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tmp_path_factory, dropout, accum):
     inputs = stdlib_subset(tmp_path_factory)[:1]

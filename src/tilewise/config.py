@@ -133,6 +133,7 @@ class CheckpointConfig:
     every: int = 0                   # save every N steps (0 = only at the end)
     keep: int = 3                    # keep the last K checkpoints
     async_save: bool = True
+    at_end: bool = True              # save when the run ends (off for benchmarks and throwaway runs)
 
 
 @dataclass

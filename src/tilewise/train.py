@@ -312,10 +312,12 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
     lr_tensor = torch.full((), t.lr, dtype=torch.float32, device=device) if use_graphs else None
     optimizer = make_optimizer(model, cfg, device, lr=lr_tensor)
     micro = t.batch_size // t.grad_accum          # rows of one micro-batch, over all ranks
-    start_step, start_batch = 0, 0
+    start_step, start_batch, load_s = 0, 0, None
     if resume:
+        load_start = time.time()
         with uncaptured_optimizer_steps():   # restore makes the optimizer state with one step
             state = restore(ckpt, resume_path, model, optimizer, fp8_state, d, t.seed)
+        load_s = time.time() - load_start
         start_step = state["step"]
         data = state["data"]
         rows = data["next_batch"] * data.get("batch_rows", micro)
@@ -414,7 +416,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
                 last_step, last_time = done, time.time()  # evaluation time is not training time
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < t.max_steps:
                 _save(ckpt, done, model, optimizer, fp8_state, loader, micro, cfg)
-        if start_step < t.max_steps:
+        if start_step < t.max_steps and cfg.checkpoint.at_end:
             _save(ckpt, t.max_steps, model, optimizer, fp8_state, loader, micro, cfg)
         ckpt.close()   # the last save is committed before the run counts as done
         failed = False
@@ -435,7 +437,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
     summary = {
         "final_val_loss": val_loss, "unigram_val_loss": unigram, "val_over_unigram": val_loss / unigram,
         "tokens_seen": t.max_steps * tokens_per_step, "steps": t.max_steps, "params": params,
-        "wall_s": time.time() - t0, "prepare_s": prepare_s, "train_s": train_time,
+        "wall_s": time.time() - t0, "prepare_s": prepare_s, "load_s": load_s, "train_s": train_time,
         "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else None,
         "mfu": (flops_per_token * steps_run * tokens_per_step / train_time / (peak * d.world_size))
         if peak and train_time else None,
