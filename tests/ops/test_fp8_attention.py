@@ -461,7 +461,7 @@ cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 fp8, bf16, f32 = "*fp8e4nv", "*bf16", "*fp32"
 pointers = dict.fromkeys(["Q8", "Q8T", "K8", "K8T", "V8", "V8T", "DO8", "DO8T"], fp8)
 pointers |= dict.fromkeys(["Q", "O", "DQ", "DK", "DV", "ROT"], bf16) | {"CU": "*i32", "CU_T": "*i32"}
-pointers |= dict.fromkeys(["QS", "KS", "VS", "DOS", "LSE", "LSE2", "DELTA"], f32)
+pointers |= dict.fromkeys(["QS", "KS", "VS", "DOS", "LSE", "LSE2", "DELTA", "DOA"], f32)
 pointers |= {"qk_scale": "fp32", "grad_scale": "fp32"}
 
 def build(fn, descs, constexprs, cfg):

@@ -19,11 +19,14 @@ bf16 inputs often land on E4M3 rounding ties).
   is kept in units of the current block's scale and rescaled with the softmax correction.
 - P = exp(S - running max) lies in [0, 1] and is cast as P * 256 (an unscaled cast flushes p < 2^-9 to 0),
   the 1/256 folded into the output.
-- The backward GEMMs' left operands (P^T and dS^T with the Q/dO row scales that lie along their reduction,
-  and dS): one scale per output row against its running maximum; the accumulator is rescaled (by a power
-  of two) when it grows, as in online softmax. In the backward P is normalized, so under a fixed scale
-  entries near 1/N sink into E4M3's subnormals as N grows: float64 emulation, N=4096 d=128, dV error 5.2%
-  with a fixed scale, 5.0% with the row scales.
+- dV = P^T dO: dO's transposed copy has one scale per head (the largest over the query heads that share a
+  K/V head, whose dV the kernel sums in one accumulator), so no scale lies along the reduction and P^T,
+  normalized to [0, 1] in the backward, is cast as P^T * 256 like the forward's P: no row maximum, no
+  accumulator rescaling. (Float64 emulation, N=4096 d=128, with dO's row scales: dV error 5.2% with this
+  fixed P scale, 5.0% with per-row P scales; bench/attention.py --fp8 reports the kernel's.)
+- The other backward left operands (dS^T with Q's row scales along its reduction, and dS): one scale per
+  output row against its running maximum; the accumulator is rescaled (by a power of two) when it grows,
+  as in online softmax.
 
 Passes. K and V are quantized by a pass per call (it reads them once, writes 1 byte an element, V
 transposed): FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles in
@@ -189,15 +192,16 @@ def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_quantize(X, X8, X8T, SC, ROT, CU, CU_T,
+def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
                   sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
-                  ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, VARLEN: tl.constexpr,
-                  EMU: tl.constexpr):
+                  ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, T_HEAD: tl.constexpr,
+                  VARLEN: tl.constexpr, EMU: tl.constexpr):
     """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
     copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens; packed:
     heads, head_dim, tokens with each sequence starting at CU_T) and the
-    scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks)."""
+    scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks).
+    T_HEAD: the transposed copy is scaled by _scales(TA[head]) instead (an amax per head; no rotation)."""
     h = tl.program_id(1)
     b = tl.program_id(2) + b0
     start, sl, _ = _seq_bounds(CU, b, seqlen, seqlen, VARLEN)
@@ -220,7 +224,12 @@ def _fp8_quantize(X, X8, X8T, SC, ROT, CU, CU_T,
     if WRITE_T:
         tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
         ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + rows[None, :]
-        tl.store(ptrs, tl.trans(x8), mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
+        if T_HEAD:
+            inv, _ = _scales(tl.load(TA + h))
+            xt8 = _e4m3(tl.trans(x.to(tl.float32)) * inv, EMU)
+        else:
+            xt8 = tl.trans(x8)
+        tl.store(ptrs, xt8, mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +357,7 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                    desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, q_col, qt_row, qt_col,
                    s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -386,16 +395,15 @@ def _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, 
     if MASKED:
         keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
-    a = p_t * dos[None, :]
-    dv, cv = _acc_rows(dv, cv, a, 1.0, tl.max(a, 1), tl.trans(do8t), EMU)
+    dv = tl.dot(_e4m3(p_t * P_SCALE, EMU), tl.trans(do8t), dv)   # dO^T scaled per head: no row scale here
     dp_t = tl.dot(v8, tl.trans(do8))
     g = p_t * (dp_t * (dos * vs)[None, :] - delta[None, :]) * qs[None, :]  # dS^T diag(Q row scales)
     dk, ck = _acc_rows(dk, ck, g, 1.0, tl.max(tl.abs(g), 1), tl.trans(q8t), EMU)
-    return dk, dv, ck, cv
+    return dk, dv, ck
 
 
 @triton.jit
-def _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row, qt_col, group,
                      s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
@@ -409,7 +417,7 @@ def _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS
             g = it // n_blocks
             start_m = lo + (it - g * n_blocks) * BLOCK_M
             g64 = g.to(tl.int64)
-            dk, dv, ck, cv = _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+            dk, dv, ck = _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                             DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off + g64 * s8h,
                                             qt_off + g64 * sth, l_off + g64 * slh, q_row, (h0 + g) * HEAD_DIM,
                                             qt_row + g * HEAD_DIM, qt_col, s8s, std, start_m, kpos, offs_m,
@@ -417,12 +425,12 @@ def _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS
                                             HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, EMU)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
-            dk, dv, ck, cv = _fp8_dkdv_step(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+            dk, dv, ck = _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                             DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
                                             q_row, h0 * HEAD_DIM, qt_row, qt_col, s8s, std, start_m, kpos, offs_m,
                                             offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
                                             HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, EMU)
-    return dk, dv, ck, cv
+    return dk, dv, ck
 
 
 @triton.jit
@@ -433,7 +441,7 @@ def _unrotate(x, ROT, offs_d, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DELTA, ROT, CU, CU_T,
+def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DELTA, DOA, ROT, CU, CU_T,
                   desc_q, desc_qt, desc_do, desc_dot,
                   s8qb, s8qs, s8qh, stb, sth, std, s8kb, s8ks, s8kh, ssb, ssh, sgb, sgs, sgh, slb, slh,
                   seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
@@ -467,30 +475,29 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     ck = tl.zeros([BLOCK_N], tl.float32)
-    cv = tl.zeros([BLOCK_N], tl.float32)
     q_off = b64 * s8qb + start64 * s8qs + h64 * s8qh
     tstart = _t_start(CU_T, b, VARLEN)
     qt_off = b64 * stb + h64 * sth + tstart.to(tl.int64)
     l_off = b64 * slb + h64 * slh + start64
     q_row = b * rows_q + start
     qt_row = (b * t_heads + h0) * HEAD_DIM
-    dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+    dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
                                       GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
     if HAS_RIGHT:
-        dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+        dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                           DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
                                           h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
                                           offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
                                           HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
-    dk, dv, ck, cv = _fp8_dkdv_blocks(dk, dv, ck, cv, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+    dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
                                       GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, EMU)
-    dv = dv * _scales(cv)[1][:, None]
+    dv = dv * (_scales(tl.load(DOA + h0))[1] / P_SCALE)
     dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
     if ROTATE:
         dk = _unrotate(dk, ROT, offs_d, BLOCK_D)
@@ -697,9 +704,11 @@ def _t_strides(t, packed):
     return (0, t.stride(0), t.stride(1)) if packed else (t.stride(0), t.stride(1), t.stride(2))
 
 
-def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False):
+def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False,
+              t_amax=None):
     """E4M3 copies of x (q/k/v layout) and its scales: (x8 or None, x8t or None, scales). Row scales have
-    the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows)."""
+    the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows). t_amax: a float32 amax per
+    head that scales the transposed copy instead (see _head_amax)."""
     packed = cu is not None
     heads, head_dim = x.shape[-2], x.shape[-1]
     dev = x.device
@@ -726,12 +735,20 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
         for b0 in range(0, batch, attn._MAX_GRID_YZ):
             nb = min(batch - b0, attn._MAX_GRID_YZ)
             _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
-                x, x8, x8t, scales, rot, cu, cu_t, *_seq_strides(x, packed),
+                x, x8, x8t, scales, t_amax, rot, cu, cu_t, *_seq_strides(x, packed),
                 *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
                 *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
-                WRITE_ROWS=write_rows, WRITE_T=write_t, VARLEN=packed, EMU=_INTERPRET, num_warps=warps)
+                WRITE_ROWS=write_rows, WRITE_T=write_t, T_HEAD=t_amax is not None, VARLEN=packed,
+                EMU=_INTERPRET, num_warps=warps)
     return x8, x8t, scales
+
+
+def _head_amax(x, group, packed):
+    """max |x| per head as float32 (heads,), each the maximum over its group of heads (the query heads that
+    share one K/V head): the dK/dV kernel sums over a group into one accumulator, so it needs one scale."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=(0, 2) if packed else (0, 1, 3), dtype=torch.float32)
+    return amax.view(-1, group).amax(1).repeat_interleave(group) if group > 1 else amax
 
 
 def _t_descriptor(t, packed, block_cols):
@@ -812,7 +829,9 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     cu_t = _t_offsets(cu) if packed else None
     rot = rotation(head_dim, q.device) if rotate else None
     q8, q8t, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
-    do8, do8t, dos = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, transposed=True)
+    do_amax = _head_amax(dout, heads // kv_heads, packed)
+    do8, do8t, dos = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, transposed=True,
+                               t_amax=do_amax)
     k8, k8t, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot, transposed=True)
     v8, _, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False)
     tma = _tma(q.device, head_dim)
@@ -832,8 +851,8 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
         descs = ((attn._descriptor(q8, packed, bm), _t_descriptor(q8t, packed, bm),
                   attn._descriptor(do8, packed, bm), _t_descriptor(do8t, packed, bm))
                  if use_tma else (None,) * 4)
-        return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, rot, cu, cu_t, *descs,
-                *dkdv_scalars, b0)
+        return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, do_amax, rot, cu, cu_t,
+                *descs, *dkdv_scalars, b0)
 
     dkdv_consts = {**consts, "GQA": group > 1}
     attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,

@@ -369,10 +369,9 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
     tiles = tuple(tiles) if tiles is not None else cast_tiles(x, y, yt)
     write_y, write_t, acc = y is not None, yt is not None, amax_i32 is not None
     scratch = scratch if scratch is not None else scale
-    no_amax = scale.view(torch.int32)
+    amax_arg = amax_i32 if acc else scale.view(torch.int32)   # a stand-in when ACC_AMAX is off (never written)
     # a copy not asked for gets the other's pointer (never written: its WRITE_* is off)
-    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts,
-            amax_i32 if acc else no_amax)
+    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts, amax_arg)
     tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
     split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES
 
@@ -382,9 +381,9 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
             grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
             if split:  # the row-major copy with the amax and sums, then the transposed copy alone
                 _cast_plan(current, True, False, acc, sums, fp8_dtype, tile)(
-                    grid, x, y, y, M, N, scale, scratch, n_parts, args[-1], partials if sums else scale, *tail)
+                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, partials if sums else scale, *tail)
                 _cast_plan(current, False, True, False, False, fp8_dtype, tile)(
-                    grid, x, yt, yt, M, N, scale, scratch, n_parts, no_amax, scale, *tail)
+                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, scale, *tail)
             else:
                 _cast_plan(current, write_y, write_t, acc, sums, fp8_dtype, tile)(
                     grid, *args, partials if sums else scale, *tail)
@@ -414,7 +413,7 @@ def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=N
             _block_plan(True, False, acc, sums, fp8_dtype, warps)(
                 grid, x, y, y, ys, ys, M, N, args[-1], partials if sums else ys, FP8_MAX[fp8_dtype])
             _block_plan(False, True, False, False, fp8_dtype, warps)(
-                grid, x, yt, yt, yts, yts, M, N, yts.view(torch.int32), yts, FP8_MAX[fp8_dtype])
+                grid, x, yt, yt, yts, yts, M, N, args[-1], yts, FP8_MAX[fp8_dtype])
         else:
             _block_plan(write_y, write_t, acc, sums, fp8_dtype, warps)(
                 grid, *args, partials if sums else some_s, FP8_MAX[fp8_dtype])
