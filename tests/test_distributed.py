@@ -7,6 +7,7 @@ bounded time, with a message naming the rank. Launches: torchrun running `-m til
 (ddp and the failures), and, to keep the file fast, ranks forked from this process once it has imported
 torch (the rest). Run as a script (under torchrun), this file is a worker that injects faults.
 """
+import gc
 import json
 import os
 import socket
@@ -138,6 +139,10 @@ def launch(nproc, args, *, timeout=120, env=None, local_world=None):
         code, out, _ = torchrun(nproc, args, timeout=timeout, script=True, env=env)
         return [code], out
     ctx = multiprocessing.get_context("fork")
+    # Garbage left by earlier tests (a destroyed process group, a loader) would otherwise be collected in the
+    # child, whose copy of it refers to threads that exist only here: its C++ destructor joins a thread that
+    # is not there and aborts the rank ("std::system_error: Invalid argument"). Collect it here, where they are.
+    gc.collect()
     import tempfile
     logs = [os.path.join(tempfile.gettempdir(), f"tilewise-rank{r}-{os.getpid()}-{time.monotonic_ns()}.log")
             for r in range(nproc)]

@@ -6,6 +6,7 @@ Fp8Linear the same FP8 operands it would cast itself. With 2 gloo ranks running 
 scaling): the all-gather moves 1-byte elements for those weights, the losses follow the bf16/fp32-gather run
 within FP8 rounding, checkpoints hold plain float32 weights and a resume continues the same trajectory.
 """
+import gc
 import json
 import multiprocessing
 import os
@@ -253,6 +254,7 @@ def _launch(overrides, tmp, resume=False, world=2, timeout=120):
         port = s.getsockname()[1]
     report = os.path.join(tmp, f"rank-{time.monotonic_ns()}")
     ctx = multiprocessing.get_context("fork")
+    gc.collect()   # see tests/test_distributed.py's launch: no garbage with threads into the children
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, overrides, resume, f"{report}-{r}"))
              for r in range(world)]
     for p in procs:

@@ -146,6 +146,24 @@ def test_row_counts_and_leading_dims(kind, rows):
     check_against_float64(x.view(rows, 3, 96), r.view(rows, 3, 96), w.float(), b.float(), kind=kind)
 
 
+@pytest.mark.parametrize("layout", ["strided_3d", "strided_rows", "mixed"])
+def test_strided_inputs(layout):
+    """Contiguous inputs go to the kernels as they are (no reshape); strided ones are copied to rows. x and the
+    residual in different layouts, a 3-D slice of a wider tensor, 2-D rows at a stride over their width."""
+    x, r, w, b = make(24, 64, torch.bfloat16)
+    if layout == "strided_3d":      # every other column block of a (4, 6, 128) tensor: not contiguous
+        x = torch.cat([x.view(4, 6, 64), torch.zeros(4, 6, 64, dtype=x.dtype)], -1)[..., :64]
+        r = r.view(4, 6, 64)
+    elif layout == "strided_rows":  # rows 64 wide at a stride of 80
+        x = torch.cat([x, torch.zeros(24, 16, dtype=x.dtype)], -1)[:, :64]
+    else:                           # contiguous 3-D x, strided 3-D residual
+        x = x.view(4, 6, 64)
+        r = torch.cat([r.view(4, 6, 64), torch.zeros(4, 6, 64, dtype=r.dtype)], -1)[..., :64]
+    assert not (x.is_contiguous() and r.is_contiguous())
+    got = check_against_float64(x, r, w, b, kind="layernorm")
+    assert got[0].shape == x.shape and got[2].shape == x.shape
+
+
 @pytest.mark.parametrize("kind", norm.NORM_KINDS)
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32], ids=str)
 def test_fp32_residual_stream_with_bf16_x(kind, stored):

@@ -489,18 +489,19 @@ def _plan(launcher: FastLauncher, cfg: Config, flags: dict, p: float, args, devi
 
 
 def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None):
-    """x, residual: (M, N) with unit column stride. Returns y, h and the fp32 row statistics stats: rstd
-    (1, M) for RMSNorm, mean and rstd (2, M) for LayerNorm."""
-    M, N = x.shape
+    """x, residual: rows of N elements (see _rows), M of them. Returns y and h in x's shape, and the fp32 row
+    statistics stats: rstd (1, M) for RMSNorm, mean and rstd (2, M) for LayerNorm."""
+    N = x.shape[-1]
+    M = x.numel() // N if N else 0
     dev = x.device
-    y = torch.empty((M, N), dtype=x.dtype, device=dev)
-    h = torch.empty((M, N), dtype=h_dtype, device=dev)
+    y = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    h = torch.empty(x.shape, dtype=h_dtype, device=dev)
     stats = torch.empty((1 if is_rms else 2, M), dtype=torch.float32, device=dev)
     if M == 0:
         return y, h, stats
     r = x if residual is None else residual
     b = weight if bias is None else bias
-    args = (x, r, weight, b, y, h, stats, M, N, x.stride(0), r.stride(0), eps, seed)
+    args = (x, r, weight, b, y, h, stats, M, N, _row_stride(x), _row_stride(r), eps, seed)
     key = (True, dev, N, is_rms, residual is None, bias is None, p, x.dtype, r.dtype, h_dtype, weight.dtype,
            b.dtype, cfg)
     plan = _PLANS.get(key)
@@ -535,16 +536,17 @@ def sum_partials(part, rows: int, dw, db=None):
 
 def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
               cfg: Optional[Config] = None):
-    """dy, dh (may be None): the gradients arriving at y and h, (M, N) with unit column stride. Returns dx;
+    """dy, dh (may be None): the gradients arriving at y and h, in h's shape. Returns dx (in h's shape);
     dresidual (None where dx serves for it too, or there is no residual); dweight and dbias (None without a
     bias), in the parameters' dtypes."""
-    M, N = h.shape
+    N = h.shape[-1]
+    M = h.numel() // N if N else 0
     dev = h.device
     dy = dy.contiguous()                      # the kernel walks rows of N contiguous elements
     dh = dh.contiguous() if dh is not None else None
     separate = res_dtype is not None and (res_dtype != x_dtype or p != 0.0)
-    dx = torch.empty((M, N), dtype=x_dtype, device=dev)
-    dr = torch.empty((M, N), dtype=res_dtype, device=dev) if separate else None
+    dx = torch.empty(h.shape, dtype=x_dtype, device=dev)
+    dr = torch.empty(h.shape, dtype=res_dtype, device=dev) if separate else None
     if M == 0:
         return dx, dr, torch.zeros_like(weight), (None if bias_dtype is None else
                                                   torch.zeros(N, dtype=bias_dtype, device=dev))
@@ -592,7 +594,8 @@ def _fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
 @_fwd_op.register_fake
 def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
     return (torch.empty_like(x), x.new_empty(x.shape, dtype=h_dtype),
-            x.new_empty((1 if is_rms else 2, x.shape[0]), dtype=torch.float32))
+            x.new_empty((1 if is_rms else 2, x.numel() // x.shape[-1] if x.shape[-1] else 0),
+                        dtype=torch.float32))
 
 
 @torch.library.custom_op("tilewise::add_dropout_norm_bwd", mutates_args=())
@@ -623,10 +626,15 @@ def _bwd(*args):
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> (M, N) with unit column stride, a view when possible."""
-    if t.dim() != 2:
-        t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(1) == 1 else t.contiguous()
+    """t as the kernels read it, rows of N = t.shape[-1] elements at one row stride with unit column stride:
+    itself when contiguous or 2-D with unit column stride (no view: each op is host time), else a 2-D copy."""
+    if t.is_contiguous() or (t.dim() == 2 and t.stride(1) == 1):
+        return t
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.dim() == 2 else t.shape[-1]   # contiguous when not 2-D (see _rows)
 
 
 class AddDropoutNorm(torch.autograd.Function):
@@ -639,9 +647,9 @@ class AddDropoutNorm(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.meta = (is_rms, p, seed, x.dtype, None if residual is None else residual.dtype,
                     None if bias is None else bias.dtype, x.shape)
-        if x.dim() == 2:
-            return y, h
-        return y.view(x.shape), h.view(x.shape)
+        if y.shape != x.shape:   # a strided x was copied to 2-D rows
+            y, h = y.view(x.shape), h.view(x.shape)
+        return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
@@ -651,13 +659,13 @@ class AddDropoutNorm(torch.autograd.Function):
         dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
         dx, dr, dw, db = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype,
                               res_dtype, bias_dtype)
-        if len(shape) != 2:
+        if dx.shape != shape:
             dx = dx.view(shape)
         dres = None
         if res_dtype is not None:
             # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
             # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
-            dres = dx if res_dtype == x_dtype and p == 0.0 else dr.view(shape)
+            dres = dx if res_dtype == x_dtype and p == 0.0 else (dr if dr.shape == shape else dr.view(shape))
         return dx, dres, dw, (db if bias_dtype is not None else None), None, None, None, None, None
 
 
