@@ -428,6 +428,49 @@ def test_config_tables(monkeypatch):
         f8._FWD8.candidates(128, True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_exp2_split_forward(causal, device, tma, monkeypatch):
+    """TILEWISE_FP8_ATTN_EXP2=split (half of the forward's exponentials on the FMA units): the same checks
+    against the emulation and float64, and within a few E4M3 roundings of the default's output."""
+    tma("ptr")
+    q, k, v = qkv(2, 45, 45, 2, 2, 32, device=device)
+    with ops.use("triton"):
+        base = fp8_flash_attention(q, k, v, causal=causal)
+    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "split")
+    errs = check(q, k, v, causal=causal)
+    assert max(errs) < 0.15
+    with ops.use("triton"):
+        split = fp8_flash_attention(q, k, v, causal=causal)
+    assert 0 < _rel(split, base) < 0.02   # the cubic moves some P * 256 across an E4M3 rounding boundary
+    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "fast")
+    with pytest.raises(ValueError, match="TILEWISE_FP8_ATTN_EXP2"), ops.use("triton"):
+        fp8_flash_attention(q, k, v)
+
+
+def test_exp2_fma_matches_exp2(device):
+    """The FMA-unit 2^x: relative error <= 1.1e-4 over the softmax range, exactly 0 from -127 down (-inf: a
+    masked score), exact at integers."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, Y, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, f8._exp2_fma(tl.load(X + offs)))
+
+    x = torch.cat([-torch.rand(8000, dtype=torch.float64) * 30, -torch.arange(0, 40, dtype=torch.float64),
+                   torch.tensor([-126.5, -127.0, -200.0, float("-inf")], dtype=torch.float64)])
+    x = torch.nn.functional.pad(x, (0, 8192 - x.numel()), value=-1.0).float().to(device)
+    y = torch.empty_like(x)
+    kernel[(1,)](x, y, N=8192)
+    want = torch.exp2(x.double())
+    live = x > -126
+    assert ((y.double()[live] - want[live]).abs() / want[live]).max() < 1.1e-4
+    assert torch.equal(y[x <= -127], torch.zeros_like(y[x <= -127]))
+    ints = (x == x.round()) & live
+    assert torch.equal(y[ints].double(), want[ints])
+
+
 def test_round_e4m3_matches_torch():
     """The interpreter's rounding helper puts values where torch's E4M3 cast (round to nearest even) does."""
     if not f8._INTERPRET:
@@ -493,7 +536,7 @@ for causal in (False, True):
         cfg = f8.FP8_CONFIGS[kern][d][0][:4]
         bm, bn = cfg[:2]
         if kern == "fp8_fwd":
-            cx = dict(base, Q_PRE=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, Q_PRE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (d, bn)}
         elif kern == "fp8_dkdv":
             cx = dict(base, GQA=False, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
@@ -502,6 +545,8 @@ for causal in (False, True):
             cx = dict(base, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}
         out.append([kern, causal, list(cfg), build(fn, descs, cx, cfg)])
+        if kern == "fp8_fwd":   # half the exponentials on the FMA units (TILEWISE_FP8_ATTN_EXP2=split)
+            out.append(["fp8_fwd exp2 split", causal, list(cfg), build(fn, descs, dict(cx, EXP_SPLIT=True), cfg)])
 print(json.dumps(out))
 """
 
@@ -599,3 +644,12 @@ def test_gpu_transposed_copies_match_row_copies(packed, dtype, head_dim):
     NaN patterns among them): the dK/dV gradients went NaN."""
     problems = transposed_copy_problems(2048, 8, head_dim, dtype, "cuda", packed)
     assert not problems, "; ".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_exp2_split_real_size(causal, tma, monkeypatch):
+    tma("tma")
+    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "split")
+    errs = check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
+    assert max(errs) < 0.12

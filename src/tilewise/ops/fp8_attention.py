@@ -60,11 +60,17 @@ in the kernels' epilogues (a tf32 dot with R^T).
 
 Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q once
 and K, V at 1 byte an element once per query block (mostly from L2), writes O and the LSE.
+
+Exponentials. On FP8 tensor cores a score tile's GEMMs take about as long as its exponentials on the
+special-function unit. TILEWISE_FP8_ATTN_EXP2=split computes the odd columns' 2^x on the FMA units instead
+(_exp2_fma: a cubic in the exponent bits, 1.1e-4 relative error), the trick FlashAttention-4 uses; off by
+default until the H200 benchmark shows what it gains.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -125,6 +131,31 @@ def _scales(amax):
     inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
     scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
     return tl.where(live, inv, 0.0), scale
+
+
+@triton.jit
+def _exp2_fma(x):
+    """2^x for x <= 0 on the FMA units instead of the special-function unit: 2^floor(x) put into the exponent
+    bits of a cubic for 2^frac(x) (through 1 and 2 at the ends, relative error <= 1.1e-4, against E4M3's 3.1%
+    half step). x <= -127 (and -inf, a masked score) gives 0."""
+    x = tl.maximum(x, -127.0)
+    n = tl.floor(x)
+    f = x - n
+    p = 1.0 + f * (0.6954243525764511 + f * (0.2263076798270443 + f * 0.07826796759650462))
+    return (p.to(tl.int32, bitcast=True) + (n.to(tl.int32) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_tile(x, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """2^x of a (ROWS, COLS) tile of scores. SPLIT: the odd columns on the FMA units (_exp2_fma), the even
+    ones on the special-function unit, which an FP8 tile otherwise waits on (a thread holds column pairs
+    of an MMA result, so the split moves no data)."""
+    if SPLIT:
+        even, odd = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
+        y = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [ROWS, COLS])
+    else:
+        y = tl.math.exp2(x)
+    return y
 
 
 @triton.jit
@@ -240,8 +271,8 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
 def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k, desc_v,
                     k_row, kv_col, vt_row, vt_col, sks, std, qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-                    USE_TMA: tl.constexpr, EMU: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr):
     """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
     a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
     of the current V block's scale vs_i / 448."""
@@ -267,7 +298,7 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             m_use = m_new
-        p = tl.math.exp2(s * c[:, None] - m_use[:, None])
+        p = _exp2_tile(s * c[:, None] - m_use[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N)
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * (alpha * (vs_i / vs))[:, None]
@@ -286,7 +317,8 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr, KV_BLOCK: tl.constexpr,
+             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr, EXP_SPLIT: tl.constexpr,
+             KV_BLOCK: tl.constexpr,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
     quantized here (Q_PRE: already quantized by the pass, with its row scales QS: the rotated case)."""
@@ -332,16 +364,19 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
-                                          HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                          EMU)
     if HAS_LEFT:
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
                                               desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                              HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+                                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                              EMU)
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                          HEAD_DIM, BLOCK_D, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                          EMU)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -768,6 +803,15 @@ def _tma(device, head_dim):
     return mode if mode != "off" and head_dim == _block_d(head_dim) else "off"
 
 
+def _exp_split() -> bool:
+    """TILEWISE_FP8_ATTN_EXP2=split: the forward computes half of each score tile's exponentials on the FMA
+    units (_exp2_tile); default "sfu", all on the special-function unit. Read per call (the kernel key has it)."""
+    mode = os.environ.get("TILEWISE_FP8_ATTN_EXP2", "sfu").strip().lower()
+    if mode not in ("sfu", "split"):
+        raise ValueError(f"TILEWISE_FP8_ATTN_EXP2={mode!r}; expected 'sfu' or 'split'")
+    return mode == "split"
+
+
 def _consts(q, left, right, packed):
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=_block_d(q.shape[-1]), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
                 VARLEN=packed, KV_BLOCK=KV_BLOCK, EMU=_INTERPRET,
@@ -806,7 +850,7 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
         return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate}
+    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate, "EXP_SPLIT": _exp_split()}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
