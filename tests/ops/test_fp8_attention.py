@@ -429,9 +429,10 @@ def test_config_tables(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_exp2_split_forward(causal, device, tma, monkeypatch):
-    """TILEWISE_FP8_ATTN_EXP2=split (half of the forward's exponentials on the FMA units): the same checks
-    against the emulation and float64, and within a few E4M3 roundings of the default's output."""
+def test_exp2_split(causal, device, tma, monkeypatch):
+    """TILEWISE_FP8_ATTN_EXP2=split (half of every score tile's exponentials on the FMA units, forward and
+    backward): the same checks against the emulation and float64, and within a few E4M3 roundings of the
+    default's output."""
     tma("ptr")
     q, k, v = qkv(2, 45, 45, 2, 2, 32, device=device)
     with ops.use("triton"):
@@ -539,14 +540,14 @@ for causal in (False, True):
             cx = dict(base, Q_PRE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (d, bn)}
         elif kern == "fp8_dkdv":
-            cx = dict(base, GQA=False, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, GQA=False, ROTATE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}
         else:
-            cx = dict(base, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, ROTATE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}
         out.append([kern, causal, list(cfg), build(fn, descs, cx, cfg)])
-        if kern == "fp8_fwd":   # half the exponentials on the FMA units (TILEWISE_FP8_ATTN_EXP2=split)
-            out.append(["fp8_fwd exp2 split", causal, list(cfg), build(fn, descs, dict(cx, EXP_SPLIT=True), cfg)])
+        # half the exponentials on the FMA units (TILEWISE_FP8_ATTN_EXP2=split)
+        out.append([kern + " exp2 split", causal, list(cfg), build(fn, descs, dict(cx, EXP_SPLIT=True), cfg)])
 print(json.dumps(out))
 """
 
