@@ -90,6 +90,29 @@ def test_swiglu_leading_dims_and_halves():
     assert not torch.allclose(y, torch.nn.functional.silu(up) * gate, rtol=1e-2)
 
 
+@pytest.mark.parametrize("op", ["bias_gelu", "swiglu"])
+def test_strided_inputs_and_gradients(op):
+    """Contiguous inputs go to the kernels as they are, strided ones as 2-D copies: a 3-D slice of a wider
+    tensor and a strided output gradient give what the contiguous copies give."""
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(3, 5, 2 * 64, generator=g).to(DEVICE)
+    x = wide[..., :64]                                             # not contiguous
+    dy_full = torch.randn(3, 5, 64 if op == "bias_gelu" else 64, 2, generator=g).to(DEVICE)
+    dy = dy_full[..., 0] if op == "bias_gelu" else dy_full[..., :32, 0]
+    b = torch.randn(64, generator=g).to(DEVICE) if op == "bias_gelu" else None
+    fn = (lambda t: bias_gelu(t, b)) if op == "bias_gelu" else swiglu
+    assert not x.is_contiguous() and not dy.is_contiguous()
+    results = []
+    for inp, grad in ((x, dy), (x.contiguous(), dy.contiguous())):
+        leaf = inp.detach().requires_grad_()
+        with ops.use("triton"):
+            y = fn(leaf)
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad))
+    for a, c in zip(*results):
+        assert a.shape == c.shape and torch.equal(a, c)
+
+
 def test_empty_rows():
     with ops.use("triton"):
         x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
@@ -125,6 +148,10 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.tilewise.bias_gelu_bwd.default, (torch.randn_like(x), x, None))
     torch.library.opcheck(torch.ops.tilewise.swiglu_fwd.default, (x,))
     torch.library.opcheck(torch.ops.tilewise.swiglu_bwd.default, (torch.randn(6, 20, device=DEVICE), x))
+    x3 = x.view(2, 3, 40)    # leading dims go to the kernels as they are
+    torch.library.opcheck(torch.ops.tilewise.bias_gelu_fwd.default, (x3, b, torch.float32))
+    torch.library.opcheck(torch.ops.tilewise.swiglu_fwd.default, (x3,))
+    torch.library.opcheck(torch.ops.tilewise.swiglu_bwd.default, (torch.randn(2, 3, 20, device=DEVICE), x3))
 
 
 def test_torch_compile_keeps_one_graph():

@@ -114,9 +114,16 @@ def _tile(width: int) -> tuple[int, int, int]:
     return max(1, 4096 // block_n), block_n, 8
 
 
+def _rows_cols(t) -> tuple[int, int]:
+    """(rows, columns) of a contiguous tensor read as rows of its last dimension."""
+    n = t.shape[-1]
+    return (t.numel() // n if n else 0), n
+
+
 def _bias_gelu_forward(x, bias, out_dtype):
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    """x: contiguous, any shape (rows of its last dim); y in x's shape."""
+    M, N = _rows_cols(x)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if M:
         bm, bn, warps = _tile(N)
         _bias_gelu_fwd_launch((_cdiv(M, bm), _cdiv(N, bn)), x, x if bias is None else bias, y, M, N,
@@ -137,9 +144,9 @@ _BWD_PLANS: dict = {}
 def _bias_gelu_backward(dy, x, bias):
     """Returns dx and the bias gradient in the bias's dtype (None without a bias). A persistent launch (one
     wave of resident programs) over row tiles; dbias = the sums of the programs' partial rows."""
-    M, N = x.shape
+    M, N = _rows_cols(x)
     dev = x.device
-    dx = torch.empty((M, N), dtype=x.dtype, device=dev)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
     if bias is None:
         db = None
     elif M == 0:
@@ -170,8 +177,8 @@ def _bias_gelu_backward(dy, x, bias):
 
 
 def _swiglu_forward(gu):
-    M, F2 = gu.shape
-    y = torch.empty((M, F2 // 2), dtype=gu.dtype, device=gu.device)
+    M, F2 = _rows_cols(gu)
+    y = torch.empty((*gu.shape[:-1], F2 // 2), dtype=gu.dtype, device=gu.device)
     if M and F2:
         bm, bn, warps = _tile(F2 // 2)
         _swiglu_fwd_launch((_cdiv(M, bm), _cdiv(F2 // 2, bn)), gu, y, M, F2 // 2, BLOCK_M=bm, BLOCK_N=bn,
@@ -180,7 +187,7 @@ def _swiglu_forward(gu):
 
 
 def _swiglu_backward(dy, gu):
-    M, F2 = gu.shape
+    M, F2 = _rows_cols(gu)
     dgu = torch.empty_like(gu)
     if M and F2:
         bm, bn, warps = _tile(F2 // 2)
@@ -220,7 +227,7 @@ def _swiglu_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
 
 @_swiglu_fwd_op.register_fake
 def _(gate_up):
-    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 @torch.library.custom_op("tilewise::swiglu_bwd", mutates_args=())
@@ -239,15 +246,14 @@ def _call(op, launcher, *args):
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> contiguous (M, N), a view when t is contiguous."""
-    if t.dim() != 2:
-        t = t.reshape(-1, t.shape[-1])
-    return t.contiguous()
+    """t as the kernels read it, contiguous rows of its last dim: itself when contiguous (no view: each op is
+    host time), else a contiguous 2-D copy."""
+    return t if t.is_contiguous() else t.reshape(-1, t.shape[-1]).contiguous()
 
 
 def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
-    """t (M, N) viewed as `shape`; no view for 2-D shapes (each view is host time)."""
-    return t if len(shape) == 2 else t.view(shape)
+    """t viewed as `shape` when a strided input was copied to 2-D rows; itself otherwise."""
+    return t if t.shape == shape else t.view(shape)
 
 
 class BiasGelu(torch.autograd.Function):
