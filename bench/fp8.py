@@ -674,7 +674,12 @@ def main(argv=None):
         "command": "TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "") +
                    ("BENCH_ARGS=\"--sweep\" " if args.sweep else "") + "bash bench/h200.sh fp8",
         "skipped_shapes_time_budget": skipped, "failed_shapes": failed,
-        "cast_kernel_fallbacks": fp8_cast.fallbacks(), "seconds": round(time.time() - start, 1),
+        "cast_kernel_fallbacks": fp8_cast.fallbacks(),
+        # launches that took Triton's normal path (~100 us of host time each) instead of FastLauncher's
+        "cast_launches": {name: {"fast": ln.fast_launches, "normal": ln.normal_launches} for name, ln in (
+            ("cast", fp8_cast._cast_launcher), ("block", fp8_cast._block_launcher),
+            ("amax", fp8_cast._amax_launcher))},
+        "seconds": round(time.time() - start, 1),
         "rows": [{k: v for k, v in r.items() if k != "detail"} for r in rows + gemm_rows + crows],
         # per-row detail (times in ms, CUDA-graph ms, host time per iteration, errors vs fp32, notes), in row order
         "details": [r["detail"] for r in rows + gemm_rows + crows],
