@@ -23,7 +23,8 @@ bundles (CUDA 12.8) miscompiles the transposed FP8 store for float32 input on sm
 are foreign (NaN patterns among them), on every tile; CUDA 13.0's ptxas compiles the same code correctly,
 and a kernel that writes only the transposed copy is correct with either. So a float32 tensor (the master
 weight, cast once per optimizer step) takes two passes, the row-major copy and then the transposed one; the
-gpu tests compare every copy bitwise against torch's cast for each input dtype and tile.
+gpu tests compare every copy bitwise against torch's cast for each input dtype and tile, and
+bench/fp8_transpose_probe.py tells whether a Triton upgrade makes the split unnecessary.
 Column sums: per 32-row block into a (rows/32, cols) fp32 buffer that one torch.sum reduces. Deterministic
 (no float atomics), and the same values whatever the tile, so a rerun with another tile is harmless.
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
