@@ -63,14 +63,14 @@ and K, V at 1 byte an element once per query block (mostly from L2), writes O an
 
 Exponentials. On FP8 tensor cores a score tile's GEMMs take about as long as its exponentials on the
 special-function unit. TILEWISE_FP8_ATTN_EXP2=split computes the odd columns' 2^x on the FMA units instead
-(_exp2_fma: a cubic in the exponent bits, 1.1e-4 relative error), the trick FlashAttention-4 uses, in the
-forward and in both backward kernels; off by default until the H200 benchmark shows what it gains.
+(tilewise.ops.attention._exp2_fma: a cubic in the exponent bits, 1.1e-4 relative error), the trick
+FlashAttention-4 uses, in the forward and in both backward kernels; off by default until the H200 benchmark
+shows what it gains.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -78,8 +78,8 @@ import triton
 import triton.language as tl
 
 from . import attention as attn
-from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_range, _load_tile, _query_range, _seq_bounds,
-                        _store_tile)
+from .attention import (LOG2E, LN2, _cast, _dot, _exp2_tile, _keep, _key_range, _load_tile, _query_range,
+                        _seq_bounds, _store_tile, exp2_split)
 from .dispatch import use_triton
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
@@ -131,31 +131,6 @@ def _scales(amax):
     inv = ((e + 127) << 23).to(tl.float32, bitcast=True)
     scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
     return tl.where(live, inv, 0.0), scale
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x for x <= 0 on the FMA units instead of the special-function unit: 2^floor(x) put into the exponent
-    bits of a cubic for 2^frac(x) (through 1 and 2 at the ends, relative error <= 1.1e-4, against E4M3's 3.1%
-    half step). x <= -127 (and -inf, a masked score) gives 0."""
-    x = tl.maximum(x, -127.0)
-    n = tl.floor(x)
-    f = x - n
-    p = 1.0 + f * (0.6954243525764511 + f * (0.2263076798270443 + f * 0.07826796759650462))
-    return (p.to(tl.int32, bitcast=True) + (n.to(tl.int32) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_tile(x, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """2^x of a (ROWS, COLS) tile of scores. SPLIT: the odd columns on the FMA units (_exp2_fma), the even
-    ones on the special-function unit, which an FP8 tile otherwise waits on (a thread holds column pairs
-    of an MMA result, so the split moves no data)."""
-    if SPLIT:
-        even, odd = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
-        y = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [ROWS, COLS])
-    else:
-        y = tl.math.exp2(x)
-    return y
 
 
 @triton.jit
@@ -805,15 +780,6 @@ def _tma(device, head_dim):
     return mode if mode != "off" and head_dim == _block_d(head_dim) else "off"
 
 
-def _exp_split() -> bool:
-    """TILEWISE_FP8_ATTN_EXP2=split: the kernels compute half of each score tile's exponentials on the FMA
-    units (_exp2_tile); default "sfu", all on the special-function unit. Read per call (the kernel key has it)."""
-    mode = os.environ.get("TILEWISE_FP8_ATTN_EXP2", "sfu").strip().lower()
-    if mode not in ("sfu", "split"):
-        raise ValueError(f"TILEWISE_FP8_ATTN_EXP2={mode!r}; expected 'sfu' or 'split'")
-    return mode == "split"
-
-
 def _consts(q, left, right, packed):
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=_block_d(q.shape[-1]), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
                 VARLEN=packed, KV_BLOCK=KV_BLOCK, EMU=_INTERPRET,
@@ -852,7 +818,7 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
         return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate, "EXP_SPLIT": _exp_split()}
+    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate, "EXP_SPLIT": exp2_split("TILEWISE_FP8_ATTN_EXP2")}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
@@ -886,7 +852,7 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     tail = (softmax_scale * LOG2E / (head_dim if rotate else 1), softmax_scale / (head_dim if rotate else 1),
             left, right)
     lse_strides = attn._lse_strides(heads, seqlen_q, total, packed)
-    consts = {**_consts(q, left, right, packed), "ROTATE": rotate, "EXP_SPLIT": _exp_split()}
+    consts = {**_consts(q, left, right, packed), "ROTATE": rotate, "EXP_SPLIT": exp2_split("TILEWISE_FP8_ATTN_EXP2")}
     bucket = attn._bucket(max_q, max_k)
 
     dkdv_scalars = (*_seq_strides(q8, packed), *_t_strides(q8t, packed), *_seq_strides(k8, packed),
