@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None,
                    help="comma-separated indices into ALL_SHAPES, e.g. 0,6 (default: all, or the quick ones)")
     p.add_argument("--fp8", action="store_true", help="also time FP8 attention and measure its accuracy")
+    p.add_argument("--exp2-split", action="store_true",
+                   help="also time tilewise with half of its exponentials on the FMA units (TILEWISE_ATTN_EXP2 / "
+                        "TILEWISE_FP8_ATTN_EXP2=split): columns tilewise_exp2split, tilewise_fp8*_exp2split")
     p.add_argument("--fp8-only", action="store_true",
                    help="only the FP8 rows and accuracy table (merged into an existing attention.json)")
     p.add_argument("--fp8-budget", type=float, default=240.0,
@@ -110,11 +113,13 @@ class _Env:
                 os.environ[k] = v
 
 
-def providers(torch, F):
+def providers(torch, F, exp2_split=False):
     """name -> (fn(q, k, v, causal) on (B, N, H, D) tensors, env) or a string saying why it is missing."""
     from tilewise.ops import flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {})}
     found["tilewise_ptr"] = (found["tilewise"][0], _env("ptr"))
+    if exp2_split:
+        found["tilewise_exp2split"] = (found["tilewise"][0], {"TILEWISE_ATTN_EXP2": "split"})
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as e:
@@ -299,11 +304,16 @@ FP8_SWEEP = {"fp8_fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (
                         (64, 64, 4, 4), (128, 32, 4, 3), (64, 128, 4, 3)]}
 
 
-def fp8_providers():
+def fp8_providers(exp2_split=False):
+    """name -> (fn(q, k, v, causal), env set around its forward and backward)."""
     from tilewise.ops import flash_attention, fp8_flash_attention
-    return {"tilewise": lambda q, k, v, c: flash_attention(q, k, v, causal=c),
-            "tilewise_fp8": lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c),
-            "tilewise_fp8_rot": lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True)}
+    found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {}),
+             "tilewise_fp8": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c), {}),
+             "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {})}
+    if exp2_split:
+        for name in ("tilewise_fp8", "tilewise_fp8_rot"):
+            found[name + "_exp2split"] = (found[name][0], {"TILEWISE_FP8_ATTN_EXP2": "split"})
+    return found
 
 
 def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, details):
@@ -319,22 +329,24 @@ def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, det
     seen = {kern: len(rows) for kern, rows in f8.tuning_report().items()}
     results, notes, diffs = {"fwd": {}, "bwd": {}}, {}, {}
     ref = None
-    for name, fn in provs.items():
+    for name, (fn, env) in provs.items():
         try:
-            got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes before timing
-            if ref is None:
-                ref = got
-            else:
-                diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
-                diffs[name] = round(diff, 5)
-                if not diff < FP8_AGREE_TOL:
-                    notes[name] = f"differs from the bf16 kernel by {diff:.3g}, not timed"
-                    continue
-            ms_f = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=rep, return_mode="median")
-            out = fn(q, k, v, causal)
-            ms_b = triton.testing.do_bench(functools.partial(out.backward, dout, retain_graph=True), warmup=25,
-                                           rep=rep, grad_to_none=[q, k, v], return_mode="median")
-            del out
+            with _Env(env):
+                got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes before timing
+                if ref is None:
+                    ref = got
+                else:
+                    diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
+                    diffs[name] = round(diff, 5)
+                    if not diff < FP8_AGREE_TOL:
+                        notes[name] = f"differs from the bf16 kernel by {diff:.3g}, not timed"
+                        continue
+                ms_f = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=rep,
+                                               return_mode="median")
+                out = fn(q, k, v, causal)
+                ms_b = triton.testing.do_bench(functools.partial(out.backward, dout, retain_graph=True), warmup=25,
+                                               rep=rep, grad_to_none=[q, k, v], return_mode="median")
+                del out
         except Exception as e:  # recorded, so the other providers and shapes still run
             notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
@@ -348,7 +360,7 @@ def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, det
         for name in provs:
             row[name] = round(vals[name], 1) if name in vals else None
         base = vals.get("tilewise")
-        for name in ("tilewise_fp8", "tilewise_fp8_rot"):
+        for name in [n for n in provs if n.startswith("tilewise_fp8")]:
             row[f"ratio_{name}"] = round(vals[name] / base, 3) if base and name in vals else None
         if diffs:
             row["rel_diff_vs_bf16"] = diffs
@@ -425,7 +437,7 @@ def run_fp8(torch, triton, args, t0):
     if args.sweep:
         for kern, configs in FP8_SWEEP.items():
             f8.set_candidates(kern, configs, 128)
-    provs = fp8_providers()
+    provs = fp8_providers(args.exp2_split)
     rows, details = [], []
     start = time.monotonic()
     for head_dim, seqlen, causal in (FP8_QUICK_SHAPES if args.quick else FP8_SHAPES):
@@ -544,7 +556,7 @@ def main(argv=None):
         for kern, classes in SWEEP.items():
             for head_dim, configs in classes.items():
                 attn.set_candidates(kern, configs, head_dim)
-    provs = providers(torch, F)
+    provs = providers(torch, F, args.exp2_split)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
     if args.shapes:
         shapes = [ALL_SHAPES[int(i)] for i in args.shapes.split(",")]
