@@ -85,6 +85,8 @@ def parse_args(argv=None):
                         "TILEWISE_FP8_ATTN_EXP2=split): columns tilewise_exp2split, tilewise_fp8*_exp2split")
     p.add_argument("--fp8-only", action="store_true",
                    help="only the FP8 rows and accuracy table (merged into an existing attention.json)")
+    p.add_argument("--fp8-shapes", default=None,
+                   help="comma-separated indices into FP8_SHAPES, e.g. 3 (default: all, or the quick ones)")
     p.add_argument("--fp8-budget", type=float, default=240.0,
                    help="seconds for the FP8 section; shapes not started when it runs out are skipped")
     return p.parse_args(argv)
@@ -440,7 +442,10 @@ def run_fp8(torch, triton, args, t0):
     provs = fp8_providers(args.exp2_split)
     rows, details = [], []
     start = time.monotonic()
-    for head_dim, seqlen, causal in (FP8_QUICK_SHAPES if args.quick else FP8_SHAPES):
+    shapes = FP8_QUICK_SHAPES if args.quick else FP8_SHAPES
+    if args.fp8_shapes:
+        shapes = [FP8_SHAPES[int(i)] for i in args.fp8_shapes.split(",")]
+    for head_dim, seqlen, causal in shapes:
         if time.monotonic() - start > args.fp8_budget:
             for direction in ("fwd", "bwd"):
                 rows.append({"shape": {"batch": TOKENS // seqlen, "seqlen": seqlen, "heads": WIDTH // head_dim,
