@@ -793,13 +793,16 @@ def fill_ratios(rows: list[dict]) -> None:
 
 
 def write_results(rows: list[dict], args, header: dict, not_measured: list[str]) -> dict:
-    old = []
+    old, commands = [], []
     if args.merge and os.path.exists(args.merge):
         with open(args.merge) as f:
-            old = json.load(f).get("rows", [])
+            earlier = json.load(f)
+        old = earlier.get("rows", [])
+        commands = earlier.get("commands") or [f"{earlier.get('commit', '?')}: {earlier['command']}"]
+    commands = commands + [f"{header['commit']}: {command_line(args)}"]
     merged = merge_rows(old, [dict(r) for r in rows])
     fill_ratios(merged)
-    result = {"area": "multigpu", **header, "command": command_line(args),
+    result = {"area": "multigpu", **header, "command": command_line(args), "commands": commands,
               "peers": {PEER: "plain PyTorch: bench/common.py's GPT, FSDP2 fully_shard per block and root, each block "
                               "torch.compile'd, bf16 parameters, fp32 reduction, fused AdamW "
                               "(bench/multigpu_baseline.py)"},

@@ -39,10 +39,13 @@ def table(result: dict) -> str:
     columns = [c for c in columns if c == "shape" or (
         any(row.get(c) is not None for row in rows)
         and not any(isinstance(row.get(c), (dict, list)) for row in rows))]
+    command = result.get('command', 'PYTHONPATH=src python3 bench/' + result.get('area', '?') + '.py')
+    if result.get("commands"):   # rows merged from several runs (bench/multigpu.py --merge): each one's commit
+        command = "` + `".join(result["commands"])
     lines = [f"### {result.get('area', '?')}",
              f"{result.get('gpu', '?')}, torch {result.get('torch', '?')}, triton {result.get('triton', '?')}, "
              f"commit {str(result.get('commit', '?'))[:10]}, {result.get('date', '?')}. "
-             f"Reproduce: `{result.get('command', 'PYTHONPATH=src python3 bench/' + result.get('area', '?') + '.py')}`",
+             f"Reproduce: `{command}`",
              "",
              "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
@@ -51,13 +54,24 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def tables_of(result: dict) -> list[str]:
+    """One table, or one per part where the rows name parts (bench/multigpu.py), as their columns differ."""
+    groups = {}
+    for row in result.get("rows", []):
+        groups.setdefault(row.get("shape", {}).get("part"), []).append(row)
+    if len(groups) < 2:
+        return [table(result)]
+    return [table({**result, "area": f"{result.get('area', '?')}: {part}", "rows": rows})
+            for part, rows in groups.items()]
+
+
 def render() -> str:
     paths = sorted(glob.glob(os.path.join(ROOT, "bench", "results", "*.json")))
     parts = []
     for path in paths:
         with open(path) as f:
             result = json.load(f)
-        parts.append(table(result))
+        parts += tables_of(result)
         if result.get("fp8_rows"):  # bench/attention.py --fp8: its own run, commit and rows
             parts.append(table({**result, **result.get("fp8_env", {}), "area": f"{result['area']} (FP8)",
                                 "rows": result["fp8_rows"],

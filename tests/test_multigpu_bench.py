@@ -137,6 +137,17 @@ def test_merge_keeps_rows_not_measured_again():
         ("fsdp", 1), ("fsdp", 8), (mg.PEER, 8), ("ddp", 1)]
 
 
+def test_readme_tables_one_per_part_with_every_merged_command():
+    tables = _load("tables")
+    result = {"area": "multigpu", "commit": "abc", "commands": ["abc: first", "def: second"], "rows": [
+        {"shape": {"part": "scaling", "gpus": 1}, "unit": "tokens/s per GPU", "tilewise": 10.0, "scaling": 1.0},
+        {"shape": {"part": "checkpoint", "gpus": 2}, "unit": "s", "tilewise": 0.5, "GB": 3.0}]}
+    text = "\n\n".join(tables.tables_of(result))
+    assert "### multigpu: scaling" in text and "### multigpu: checkpoint" in text
+    assert "`abc: first` + `def: second`" in text
+    assert "| GB |" not in text.split("### multigpu: checkpoint")[0]   # each part's own columns
+
+
 def test_failure_names_the_root_cause_not_torchruns_summary():
     output = ("tilewise train: error: rank 1: train.batch_size=3 is not a multiple of world size 2\n"
               "Traceback (most recent call last):\n  File \"run.py\", line 1\n"
@@ -217,9 +228,10 @@ def test_a_later_call_merges_with_an_earlier_ones_rows(monkeypatch, tmp_path):
     mg.main(["--device", "cpu", "--parts", "scaling", "--gpus", "2", "--out", str(second),
              "--merge", str(first / "multigpu.json")])
     assert [c[0] for c in calls] == [1, 1, 2, 2]          # the second call does not measure 1 GPU again
-    rows = {(r["shape"]["variant"], r["shape"]["gpus"]): r
-            for r in json.loads((second / "multigpu.json").read_text())["rows"]}
+    merged = json.loads((second / "multigpu.json").read_text())
+    rows = {(r["shape"]["variant"], r["shape"]["gpus"]): r for r in merged["rows"]}
     assert set(rows) == {("fsdp", 1), ("fsdp", 2), (mg.PEER, 1), (mg.PEER, 2)}
+    assert [c.split("--gpus ")[1][0] for c in merged["commands"]] == ["1", "2"]   # both calls, in order
     assert rows["fsdp", 2]["scaling"] == pytest.approx(0.5) and rows[mg.PEER, 2]["scaling"] == pytest.approx(0.5)
     assert rows["fsdp", 2]["ratio_best_peer"] is not None
     assert mg.main(["--device", "cpu", "--gpus", "4", "--out", str(tmp_path / "none")]) == 2   # CPU: 2 processes
