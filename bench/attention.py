@@ -80,9 +80,6 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None,
                    help="comma-separated indices into ALL_SHAPES, e.g. 0,6 (default: all, or the quick ones)")
     p.add_argument("--fp8", action="store_true", help="also time FP8 attention and measure its accuracy")
-    p.add_argument("--exp2-split", action="store_true",
-                   help="also time tilewise with half of its exponentials on the FMA units (TILEWISE_ATTN_EXP2 / "
-                        "TILEWISE_FP8_ATTN_EXP2=split): columns tilewise_exp2split, tilewise_fp8*_exp2split")
     p.add_argument("--fp8-only", action="store_true",
                    help="only the FP8 rows and accuracy table (merged into an existing attention.json)")
     p.add_argument("--fp8-shapes", default=None,
@@ -115,13 +112,11 @@ class _Env:
                 os.environ[k] = v
 
 
-def providers(torch, F, exp2_split=False):
+def providers(torch, F):
     """name -> (fn(q, k, v, causal) on (B, N, H, D) tensors, env) or a string saying why it is missing."""
     from tilewise.ops import flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {})}
     found["tilewise_ptr"] = (found["tilewise"][0], _env("ptr"))
-    if exp2_split:
-        found["tilewise_exp2split"] = (found["tilewise"][0], {"TILEWISE_ATTN_EXP2": "split"})
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as e:
@@ -306,15 +301,12 @@ FP8_SWEEP = {"fp8_fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (
                         (64, 64, 4, 4), (128, 32, 4, 3), (64, 128, 4, 3)]}
 
 
-def fp8_providers(exp2_split=False):
+def fp8_providers():
     """name -> (fn(q, k, v, causal), env set around its forward and backward)."""
     from tilewise.ops import flash_attention, fp8_flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {})}
-    if exp2_split:
-        for name in ("tilewise_fp8", "tilewise_fp8_rot"):
-            found[name + "_exp2split"] = (found[name][0], {"TILEWISE_FP8_ATTN_EXP2": "split"})
     return found
 
 
@@ -439,7 +431,7 @@ def run_fp8(torch, triton, args, t0):
     if args.sweep:
         for kern, configs in FP8_SWEEP.items():
             f8.set_candidates(kern, configs, 128)
-    provs = fp8_providers(args.exp2_split)
+    provs = fp8_providers()
     rows, details = [], []
     start = time.monotonic()
     shapes = FP8_QUICK_SHAPES if args.quick else FP8_SHAPES
@@ -561,7 +553,7 @@ def main(argv=None):
         for kern, classes in SWEEP.items():
             for head_dim, configs in classes.items():
                 attn.set_candidates(kern, configs, head_dim)
-    provs = providers(torch, F, args.exp2_split)
+    provs = providers(torch, F)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
     if args.shapes:
         shapes = [ALL_SHAPES[int(i)] for i in args.shapes.split(",")]

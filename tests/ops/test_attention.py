@@ -145,28 +145,6 @@ def test_forward_backward(dtype, causal, device, tma):
     check(*qkv(2, 37, 37, 2, 2, 32, dtype, device), causal=causal)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_exp2_split(causal, device, tma, monkeypatch):
-    """TILEWISE_ATTN_EXP2=split (half of the forward's exponentials on the FMA units): bf16 stays within the
-    bound against float64, on the unmasked, masked (window) and negative-scale paths; fp32 keeps the
-    special-function unit (its bound is 1e-5)."""
-    tma("ptr")
-    q, k, v = qkv(2, 70, 70, 2, 2, 32, device=device)
-    with ops.use("triton"):
-        base = flash_attention(q, k, v, causal=causal)
-    monkeypatch.setenv("TILEWISE_ATTN_EXP2", "split")
-    check(q, k, v, causal=causal)
-    check(q, k, v, causal=causal, window=(9, 3))
-    check(q, k, v, causal=causal, softmax_scale=-0.2, with_lse=True)   # SDPA's bf16 CPU path: NaN here
-    check(*qkv(1, 40, 40, 2, 1, 32, torch.float32, device), causal=causal)
-    with ops.use("triton"):
-        split = flash_attention(q, k, v, causal=causal)
-    assert not torch.equal(split, base) and _rel(split, base) < 2e-3   # the cubic moves a few bf16 roundings
-    monkeypatch.setenv("TILEWISE_ATTN_EXP2", "fast")
-    with pytest.raises(ValueError, match="TILEWISE_ATTN_EXP2"), ops.use("triton"):
-        flash_attention(q, k, v)
-
-
 @pytest.mark.parametrize("sq,sk", [(17, 50), (50, 17), (1, 33), (33, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_seqlen_q_differs_from_seqlen_k(sq, sk, causal, device, tma):
@@ -551,15 +529,6 @@ def test_gpu_real_size(causal, tma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_exp2_split_real_size(causal, tma, monkeypatch):
-    tma("tma")
-    monkeypatch.setenv("TILEWISE_ATTN_EXP2", "split")
-    check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
-    check(*qkv(1, 2048, 2048, 8, 4, 128, device="cuda"), window=(100, 37))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 def test_gpu_head_dims_gqa(head_dim, tma):
     tma("tma")  # 96 is not a power of two: the pointer path
@@ -677,27 +646,3 @@ def test_gpu_memory_128k(tma):
     extra = torch.cuda.max_memory_allocated() - base - held
     assert extra < 1 << 30, f"{extra / 2**30:.2f} GiB beyond inputs, outputs and gradients"
     assert not torch.isnan(out).any() and not torch.isnan(q.grad).any()
-
-
-def test_exp2_fma_matches_exp2(device):
-    """The FMA-unit 2^x: relative error <= 1.1e-4 over the softmax range, exactly 0 from -127 down (-inf: a
-    masked score), exact at integers."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(X, Y, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        tl.store(Y + offs, attn._exp2_fma(tl.load(X + offs)))
-
-    x = torch.cat([-torch.rand(8000, dtype=torch.float64) * 30, -torch.arange(0, 40, dtype=torch.float64),
-                   torch.tensor([-126.5, -127.0, -200.0, float("-inf")], dtype=torch.float64)])
-    x = torch.nn.functional.pad(x, (0, 8192 - x.numel()), value=-1.0).float().to(device)
-    y = torch.empty_like(x)
-    kernel[(1,)](x, y, N=8192)
-    want = torch.exp2(x.double())
-    live = x > -126
-    assert ((y.double()[live] - want[live]).abs() / want[live]).max() < 1.1e-4
-    assert torch.equal(y[x <= -127], torch.zeros_like(y[x <= -127]))
-    ints = (x == x.round()) & live
-    assert torch.equal(y[ints].double(), want[ints])

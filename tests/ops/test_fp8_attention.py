@@ -428,26 +428,6 @@ def test_config_tables(monkeypatch):
         f8._FWD8.candidates(128, True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_exp2_split(causal, device, tma, monkeypatch):
-    """TILEWISE_FP8_ATTN_EXP2=split (half of every score tile's exponentials on the FMA units, forward and
-    backward): the same checks against the emulation and float64, and within a few E4M3 roundings of the
-    default's output."""
-    tma("ptr")
-    q, k, v = qkv(2, 45, 45, 2, 2, 32, device=device)
-    with ops.use("triton"):
-        base = fp8_flash_attention(q, k, v, causal=causal)
-    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "split")
-    errs = check(q, k, v, causal=causal)
-    assert max(errs) < 0.15
-    with ops.use("triton"):
-        split = fp8_flash_attention(q, k, v, causal=causal)
-    assert 0 < _rel(split, base) < 0.02   # the cubic moves some P * 256 across an E4M3 rounding boundary
-    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "fast")
-    with pytest.raises(ValueError, match="TILEWISE_FP8_ATTN_EXP2"), ops.use("triton"):
-        fp8_flash_attention(q, k, v)
-
-
 def test_round_e4m3_matches_torch():
     """The interpreter's rounding helper puts values where torch's E4M3 cast (round to nearest even) does."""
     if not f8._INTERPRET:
@@ -513,17 +493,15 @@ for causal in (False, True):
         cfg = f8.FP8_CONFIGS[kern][d][0][:4]
         bm, bn = cfg[:2]
         if kern == "fp8_fwd":
-            cx = dict(base, Q_PRE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, Q_PRE=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (d, bn)}
         elif kern == "fp8_dkdv":
-            cx = dict(base, GQA=False, ROTATE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, GQA=False, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}
         else:
-            cx = dict(base, ROTATE=False, EXP_SPLIT=False, BLOCK_M=bm, BLOCK_N=bn)
+            cx = dict(base, ROTATE=False, BLOCK_M=bm, BLOCK_N=bn)
             descs = {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}
         out.append([kern, causal, list(cfg), build(fn, descs, cx, cfg)])
-        # half the exponentials on the FMA units (TILEWISE_FP8_ATTN_EXP2=split)
-        out.append([kern + " exp2 split", causal, list(cfg), build(fn, descs, dict(cx, EXP_SPLIT=True), cfg)])
 print(json.dumps(out))
 """
 
@@ -621,12 +599,3 @@ def test_gpu_transposed_copies_match_row_copies(packed, dtype, head_dim):
     NaN patterns among them): the dK/dV gradients went NaN."""
     problems = transposed_copy_problems(2048, 8, head_dim, dtype, "cuda", packed)
     assert not problems, "; ".join(problems)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_exp2_split_real_size(causal, tma, monkeypatch):
-    tma("tma")
-    monkeypatch.setenv("TILEWISE_FP8_ATTN_EXP2", "split")
-    errs = check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
-    assert max(errs) < 0.12

@@ -6,8 +6,7 @@ Flash attention: the N x N scores never reach HBM.
   into the scale; the row max is taken on the raw scores, so each score costs one FMA and one exp2). Key
   blocks come in three phases: the interior, where no mask applies and none is computed, and the boundary
   blocks (causal diagonal, window edges, the ragged end of the keys), where it is. Blocks the mask removes
-  entirely are never visited. Writes O and the natural-log LSE. TILEWISE_ATTN_EXP2=split computes half of
-  each tile's exponentials on the FMA units (_exp2_tile; 16-bit inputs), off by default until measured.
+  entirely are never visited. Writes O and the natural-log LSE.
 - Launch order: the query blocks of one head are neighbours in the grid, so the programs running at once
   share a few heads' K/V in L2 (a batch * head-major order streamed every head's K/V from HBM for each
   query block); within a head the heaviest (latest) causal query blocks go first.
@@ -182,31 +181,6 @@ def _query_range(first, last, seqlen_q, off, left, right, HAS_LEFT: tl.constexpr
 
 
 @triton.jit
-def _exp2_fma(x):
-    """2^x for x <= 0 on the FMA units instead of the special-function unit: 2^floor(x) put into the exponent
-    bits of a cubic for 2^frac(x) (through 1 and 2 at the ends, relative error <= 1.1e-4: below bf16's
-    rounding of P, 2^-9, and E4M3's 3.1%). x <= -127 (and -inf, a masked score) gives 0."""
-    x = tl.maximum(x, -127.0)
-    n = tl.floor(x)
-    f = x - n
-    p = 1.0 + f * (0.6954243525764511 + f * (0.2263076798270443 + f * 0.07826796759650462))
-    return (p.to(tl.int32, bitcast=True) + (n.to(tl.int32) << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_tile(x, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """2^x of a (ROWS, COLS) tile of scores. SPLIT: the odd columns on the FMA units (_exp2_fma), the even
-    ones on the special-function unit, whose exponentials a tile's GEMMs otherwise wait on, the more so on
-    FP8 tensor cores (a thread holds column pairs of an MMA result, so the split moves no data)."""
-    if SPLIT:
-        even, odd = tl.split(tl.reshape(x, [ROWS, COLS // 2, 2]))
-        y = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [ROWS, COLS])
-    else:
-        y = tl.math.exp2(x)
-    return y
-
-
-@triton.jit
 def _keep(qpos, kpos, seqlen_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """The mask of a boundary block: broadcast qpos/kpos to the tile shape before calling."""
     keep = kpos < seqlen_k
@@ -222,7 +196,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
                 qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right, qk_scale,
                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SIGN: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU_BF16: tl.constexpr):
+                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i is in the scaled base-2 domain; the row maximum is taken
     on the raw scores and scaled once per row, so each score costs one FMA and one exp2."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
@@ -241,7 +215,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
                 s = tl.where(keep, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
-                p = _exp2_tile(s * qk_scale - m_use[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N)
+                p = tl.math.exp2(s * qk_scale - m_use[:, None])
             else:  # a negative scale turns the largest score into the smallest raw one; zero must not
                 # meet a masked -inf (inf * 0 = NaN)
                 if SIGN < 0:
@@ -251,14 +225,14 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
                 m_blk = tl.where((ext == float("inf")) | (ext == float("-inf")), float("-inf"), ext * qk_scale)
                 m_new = tl.maximum(m_i, m_blk)
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.where(keep, _exp2_tile(s * qk_scale - m_use[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N), 0.0)
+                p = tl.where(keep, tl.math.exp2(s * qk_scale - m_use[:, None]), 0.0)
         else:
             if SIGN < 0:
                 m_new = tl.maximum(m_i, tl.min(s, 1) * qk_scale)
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-            p = _exp2_tile(s * qk_scale - m_use[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N)
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -277,7 +251,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, left, right, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SIGN: tl.constexpr,
-              DOT_PREC: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU_BF16: tl.constexpr,
+              DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
     in L2; within a head the latest (most causal work) go first."""
@@ -315,16 +289,16 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_lo, inner_hi, sk, left, right, qk_scale,
                                 False, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                USE_TMA, DOT_PREC, EXP_SPLIT, EMU_BF16)
+                                USE_TMA, DOT_PREC, EMU_BF16)
     if HAS_LEFT:
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                     qpos, offs_n, offs_d, lo, inner_lo, sk, left, right, qk_scale,
                                     True, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                    USE_TMA, DOT_PREC, EXP_SPLIT, EMU_BF16)
+                                    USE_TMA, DOT_PREC, EMU_BF16)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                 qpos, offs_n, offs_d, inner_hi, hi, sk, left, right, qk_scale,
                                 True, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                USE_TMA, DOT_PREC, EXP_SPLIT, EMU_BF16)
+                                USE_TMA, DOT_PREC, EMU_BF16)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -863,16 +837,6 @@ def _pow2(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-def exp2_split(variable: str) -> bool:
-    """Whether the environment variable (TILEWISE_ATTN_EXP2 for these kernels, TILEWISE_FP8_ATTN_EXP2 for the
-    FP8 ones) says "split": half of each score tile's exponentials on the FMA units (_exp2_tile); default
-    "sfu", all on the special-function unit. Read per call; the kernels' keys hold the answer."""
-    mode = os.environ.get(variable, "sfu").strip().lower()
-    if mode not in ("sfu", "split"):
-        raise ValueError(f"{variable}={mode!r}; expected 'sfu' or 'split'")
-    return mode == "split"
-
-
 def _flags(q, left, right):
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=max(16, _pow2(q.shape[-1])),
                 HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, VARLEN=False,
@@ -932,7 +896,6 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
     consts["SIGN"] = (softmax_scale > 0) - (softmax_scale < 0)
-    consts["EXP_SPLIT"] = exp2_split("TILEWISE_ATTN_EXP2") and q.dtype != torch.float32   # fp32 keeps full accuracy
     key = (_bucket(max_q, max_k), q.dtype, *consts.values())
     _run(_FWD, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse

@@ -60,12 +60,6 @@ in the kernels' epilogues (a tf32 dot with R^T).
 
 Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q once
 and K, V at 1 byte an element once per query block (mostly from L2), writes O and the LSE.
-
-Exponentials. On FP8 tensor cores a score tile's GEMMs take about as long as its exponentials on the
-special-function unit. TILEWISE_FP8_ATTN_EXP2=split computes the odd columns' 2^x on the FMA units instead
-(tilewise.ops.attention._exp2_fma: a cubic in the exponent bits, 1.1e-4 relative error), the trick
-FlashAttention-4 uses, in the forward and in both backward kernels; off by default until the H200 benchmark
-shows what it gains.
 """
 from __future__ import annotations
 
@@ -78,8 +72,8 @@ import triton
 import triton.language as tl
 
 from . import attention as attn
-from .attention import (LOG2E, LN2, _cast, _dot, _exp2_tile, _keep, _key_range, _load_tile, _query_range,
-                        _seq_bounds, _store_tile, exp2_split)
+from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_range, _load_tile, _query_range,
+                        _seq_bounds, _store_tile)
 from .dispatch import use_triton
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
@@ -247,7 +241,7 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
                     k_row, kv_col, vt_row, vt_col, sks, std, qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr):
+                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
     a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
     of the current V block's scale vs_i / 448."""
@@ -273,7 +267,7 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             m_use = m_new
-        p = _exp2_tile(s * c[:, None] - m_use[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s * c[:, None] - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * (alpha * (vs_i / vs))[:, None]
@@ -292,7 +286,7 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr, EXP_SPLIT: tl.constexpr,
+             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr,
              KV_BLOCK: tl.constexpr,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
@@ -339,18 +333,18 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
                                           EMU)
     if HAS_LEFT:
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
                                               desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
                                               EMU)
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT,
+                                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
                                           EMU)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
@@ -372,7 +366,7 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
                    s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr):
+                   BLOCK_N: tl.constexpr, EMU: tl.constexpr):
     """One query block's share of dK, dV in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q. The query rows' scales (Q, dO)
     lie along the reduction of the last two, so they multiply the left operand before its quantization."""
@@ -402,7 +396,7 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         lse2 = tl.load(LSE2 + l_off + rows)
         delta = tl.load(DELTA + l_off + rows)
     s_t = tl.dot(k8, tl.trans(q8))
-    p_t = _exp2_tile(s_t * (qs * kc)[None, :] - lse2[None, :], EXP_SPLIT, BLOCK_N, BLOCK_M)
+    p_t = tl.math.exp2(s_t * (qs * kc)[None, :] - lse2[None, :])
     if MASKED:
         keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
@@ -419,7 +413,7 @@ def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LS
                      s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     USE_TMA: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr):
+                     USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each head of
     its group: one flat loop over (head, block) pairs, as in the bf16 kernel."""
     if GQA:
@@ -433,14 +427,14 @@ def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LS
                                         qt_off + g64 * sth, l_off + g64 * slh, q_row, (h0 + g) * HEAD_DIM,
                                         qt_row + g * HEAD_DIM, qt_col, s8s, std, start_m, kpos, offs_m,
                                         offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
-                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EXP_SPLIT, EMU)
+                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             dk, dv, ck = _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                         DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
                                         q_row, h0 * HEAD_DIM, qt_row, qt_col, s8s, std, start_m, kpos, offs_m,
                                         offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
-                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EXP_SPLIT, EMU)
+                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     return dk, dv, ck
 
 
@@ -458,7 +452,7 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                   seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr, ROTATE: tl.constexpr,
-                  KV_BLOCK: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
     layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
@@ -496,18 +490,18 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
-                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EXP_SPLIT, EMU)
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     if HAS_RIGHT:
         dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                           DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
                                           h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
                                           offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
-                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EXP_SPLIT, EMU)
+                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EXP_SPLIT, EMU)
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     dv = dv * (_scales(tl.load(DOA + h0))[1] / P_SCALE)
     dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
     if ROTATE:
@@ -522,7 +516,7 @@ def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, d
                    k_off, kt_off, s_base, k_row, k_col, kt_row, kt_col, s8s, std, qpos, offs_n, offs_d, lo, hi,
                    seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EXP_SPLIT: tl.constexpr, EMU: tl.constexpr):
+                   KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi): dQ += dS K with the tile's K scale folded into dS's
     row quantization."""
     r_offs = offs_n[:, None] * s8s + offs_d[None, :]
@@ -542,7 +536,7 @@ def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, d
             v8 = _load_tile(V8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
             k8t = _load_tile_t(K8T + kt_off + start + t_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = tl.dot(q8, tl.trans(k8))
-        p = _exp2_tile(s * (qc * ks)[:, None] - lse2[:, None], EXP_SPLIT, BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s * (qc * ks)[:, None] - lse2[:, None])
         if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
@@ -558,7 +552,7 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
                 seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, grad_scale, left, right, b0,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 VARLEN: tl.constexpr, USE_TMA: tl.constexpr, ROTATE: tl.constexpr, KV_BLOCK: tl.constexpr,
-                EXP_SPLIT: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+                EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -599,16 +593,16 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
     dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
                             k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
                             inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
-                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT, EMU)
+                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     if HAS_LEFT:
         dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt,
                                 desc_v, k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n,
                                 offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
-                                BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT, EMU)
+                                BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
                             k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
                             inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
-                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EXP_SPLIT, EMU)
+                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     dq = dq * (_scales(cq)[1] * grad_scale)[:, None]
     if ROTATE:
         dq = _unrotate(dq, ROT, offs_d, BLOCK_D)
@@ -818,7 +812,7 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
         return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate, "EXP_SPLIT": exp2_split("TILEWISE_FP8_ATTN_EXP2")}
+    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
@@ -852,7 +846,7 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     tail = (softmax_scale * LOG2E / (head_dim if rotate else 1), softmax_scale / (head_dim if rotate else 1),
             left, right)
     lse_strides = attn._lse_strides(heads, seqlen_q, total, packed)
-    consts = {**_consts(q, left, right, packed), "ROTATE": rotate, "EXP_SPLIT": exp2_split("TILEWISE_FP8_ATTN_EXP2")}
+    consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
     bucket = attn._bucket(max_q, max_k)
 
     dkdv_scalars = (*_seq_strides(q8, packed), *_t_strides(q8t, packed), *_seq_strides(k8, packed),
