@@ -18,7 +18,8 @@ bf16 inputs often land on E4M3 rounding ties).
   block, so its scale is a scalar per tile, multiplied into the row factor of S; for V the running output
   is kept in units of the current block's scale and rescaled with the softmax correction.
 - P = exp(S - running max) lies in [0, 1] and is cast as P * 256 (an unscaled cast flushes p < 2^-9 to 0),
-  the 1/256 folded into the output.
+  made directly as exp2(x + 8) (no multiply per score: the kernels are issue-bound), the 1/256 folded into
+  the output.
 - dV = P^T dO: dO's transposed copy has one scale per head (the largest over the query heads that share a
   K/V head, whose dV the kernel sums in one accumulator), so no scale lies along the reduction and P^T,
   normalized to [0, 1] in the backward, is cast as P^T * 256 like the forward's P: no row maximum, no
@@ -78,6 +79,7 @@ from .dispatch import use_triton
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
 P_SCALE = tl.constexpr(256.0)  # P in [0, 1] is cast as P * 256: a power of two, so the product is exact
+P_LOG2 = tl.constexpr(8.0)     # log2(P_SCALE): the kernels make P * 256 as exp2(x + 8), no multiply
 _INTERPRET = attn._INTERPRET
 # Rows of one head of one sequence that share a K/V scale. Every key tile (BLOCK_N divides it) lies in one
 # block. Smaller in the interpreter, so tiny test sequences span several blocks.
@@ -267,7 +269,7 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * c)
             m_use = m_new
-        p = tl.math.exp2(s * c[:, None] - m_use[:, None])
+        p = tl.math.exp2(s * c[:, None] - (m_use - P_LOG2)[:, None])   # P * 256, E4M3-ready; l_i too
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * (alpha * (vs_i / vs))[:, None]
@@ -275,7 +277,7 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
             vt8 = desc_v.load([vt_row, vt_col + start_n])
         else:
             vt8 = _load_tile_t(vt_base + start + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        acc = tl.dot(_e4m3(p * P_SCALE, EMU), tl.trans(vt8), acc)
+        acc = tl.dot(_e4m3(p, EMU), tl.trans(vt8), acc)
         m_i = m_new
         vs_i = vs
     return acc, l_i, m_i, vs_i
@@ -349,8 +351,8 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * ((vs_i / P_SCALE) / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out = acc * (vs_i / l_safe)[:, None]   # acc and l_i both carry P's factor 256
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe) - P_LOG2) * LN2)
     o_ptrs = O + b64 * sob + start64 * sos + h64 * soh + rows * sos + offs_d[None, :]
     _store_tile(o_ptrs, _cast(out, O.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
     tl.store(LSE + b64 * slb + h64 * slh + start64 + offs_m, lse, mask=offs_m < sq)
@@ -396,13 +398,15 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         lse2 = tl.load(LSE2 + l_off + rows)
         delta = tl.load(DELTA + l_off + rows)
     s_t = tl.dot(k8, tl.trans(q8))
-    p_t = tl.math.exp2(s_t * (qs * kc)[None, :] - lse2[None, :])
+    p_t = tl.math.exp2(s_t * (qs * kc)[None, :] - (lse2 - P_LOG2)[None, :])   # P^T * 256
     if MASKED:
         keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
-    dv = tl.dot(_e4m3(p_t * P_SCALE, EMU), tl.trans(do8t), dv)   # dO^T scaled per head: no row scale here
+    dv = tl.dot(_e4m3(p_t, EMU), tl.trans(do8t), dv)   # dO^T scaled per head: no row scale here
     dp_t = tl.dot(v8, tl.trans(do8))
-    g = p_t * (dp_t * (dos * vs)[None, :] - delta[None, :]) * qs[None, :]  # dS^T diag(Q row scales)
+    # dS^T diag(Q row scales), the row scales and P's 1/256 folded into the per-query vectors (powers of two)
+    qs_p = qs * (1.0 / P_SCALE)
+    g = p_t * (dp_t * (dos * vs * qs_p)[None, :] - (delta * qs_p)[None, :])
     dk, ck = _acc_rows(dk, ck, g, 1.0, tl.max(tl.abs(g), 1), tl.trans(q8t), EMU)
     return dk, dv, ck
 
