@@ -22,9 +22,7 @@ import dataclasses
 import gc
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 
 import torch
@@ -37,6 +35,7 @@ from common import PlainGPT, environment  # noqa: E402
 from tilewise.config import load_config  # noqa: E402
 from tilewise.graphs import WARMUP_STEPS, StepGraph, uncaptured_optimizer_steps  # noqa: E402
 from tilewise.model import GPT  # noqa: E402
+from tilewise.profile import summarize_trace, trace_events  # noqa: E402
 from tilewise.train import make_optimizer, make_step  # noqa: E402
 
 PEAK = 989e12
@@ -46,11 +45,6 @@ LOSS_TOLERANCE = {"bf16": 1e-2, "fp8": 3e-2}   # relative difference of the fina
 
 # Kernel kinds, tried in order; anything else is memory-bound (norms, activations, casts, cross-entropy,
 # embeddings, copies). Attention first: flash kernels' template names mention cutlass.
-KINDS = (
-    ("attention", re.compile(r"attn|flash|fmha|sdpa|attention|_bwd_prep", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor_apply|lpnorm|foreach", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|splitk|matmul|_mm_|\bmm\b", re.I)),
-)
 AUTOCAST = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
 
 
@@ -149,13 +143,6 @@ def time_steps(step, batches, warmup: int, steps: int):
     return start.elapsed_time(end) / steps, loss.item()
 
 
-def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
-        if pattern.search(name):
-            return kind
-    return "memory_bound"
-
-
 def profile_breakdown(step, batches, offset: int, steps: int) -> dict:
     """GPU ms per step by kernel kind, busy (the union of kernel intervals), wall and idle = wall - busy."""
     from torch.profiler import ProfilerActivity, profile
@@ -164,43 +151,7 @@ def profile_breakdown(step, batches, offset: int, steps: int) -> dict:
         for i in range(steps):
             step(*batches[(offset + i) % len(batches)])
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    return summarize_trace(events, steps)
-
-
-def summarize_trace(events: list[dict], steps: int) -> dict:
-    """The chrome trace's GPU events (kernels, copies, fills; times in microseconds) as ms per step."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        return {"error": "the profiler recorded no GPU activity"}
-    by_kind = dict.fromkeys(["gemm", "attention", "memory_bound", "optimizer"], 0.0)
-    by_name: dict[str, float] = {}
-    intervals = []
-    for e in gpu:
-        start, dur = float(e["ts"]), float(e.get("dur", 0.0))
-        intervals.append((start, start + dur))
-        name = e.get("name", "?")
-        by_kind[kind_of(name)] += dur
-        by_name[name] = by_name.get(name, 0.0) + dur
-    intervals.sort()
-    busy, cur_start, cur_end = 0.0, *intervals[0]
-    for s, t in intervals[1:]:
-        if s > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = s, t
-        else:
-            cur_end = max(cur_end, t)
-    busy += cur_end - cur_start
-    wall = max(t for _, t in intervals) - intervals[0][0]
-    ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731  (trace times are microseconds)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"breakdown_ms": {**{k: ms(v) for k, v in by_kind.items()}, "idle": ms(wall - busy),
-                             "busy": ms(busy), "wall": ms(wall)},
-            "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms": ms(v)} for n, v in top]}
+    return summarize_trace(trace_events(prof), steps)
 
 
 def release() -> None:

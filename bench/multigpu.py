@@ -267,9 +267,11 @@ def read_run(out_dir: str) -> tuple[list[dict], dict]:
         return read_metrics(out_dir), json.load(f)
 
 
-def throughput(records: list[dict], log_every: int, global_rows: int, seq: int, gpus: int) -> dict:
-    """Tokens/s per GPU over the records after the first (warm-up) interval, from the trainer's step_ms."""
-    timed = [r for r in records if r["step"] > log_every]
+def throughput(records: list[dict], log_every: int, global_rows: int, seq: int, gpus: int,
+               last_step: int | None = None) -> dict:
+    """Tokens/s per GPU over the records after the first (warm-up) interval (up to last_step: the profiled
+    interval after it is not timed), from the trainer's step_ms."""
+    timed = [r for r in records if r["step"] > log_every and (last_step is None or r["step"] <= last_step)]
     if not timed:
         raise ValueError(f"no logged steps after the first {log_every} (warm-up): nothing was timed")
     seconds = sum(r["step_ms"] * log_every / 1e3 for r in timed)
@@ -279,6 +281,15 @@ def throughput(records: list[dict], log_every: int, global_rows: int, seq: int, 
         mfu = sum(r["mfu"] * r["step_ms"] for r in timed) / sum(r["step_ms"] for r in timed)
     return {"tokens_per_s_per_gpu": global_rows * seq * steps / seconds / gpus, "step_ms": 1e3 * seconds / steps,
             "timed_steps": steps, "mfu": mfu, "final_loss": timed[-1]["loss"]}
+
+
+def read_profile(out_dir: str, rank: int) -> dict:
+    path = os.path.join(out_dir, f"profile_rank{rank}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        return {"error": f"{os.path.basename(path)}: {type(e).__name__}: {e}"}
 
 
 def rel_diff(a: float, b: float) -> float:
@@ -373,10 +384,14 @@ class Bench:
                 return self.scaling_peer(shape, out_dir, gpus)
             strategy, precision = SCALING_VARIANTS[variant]
             s, global_rows = self.s, self.s.rows_per_gpu * gpus
+            timed_end = s.log_every + s.steps
             overrides = {**self.common_overrides(), "distributed.strategy": strategy, "train.batch_size": global_rows,
-                         "train.max_steps": s.log_every + s.steps, "train.log_every": s.log_every,
+                         "train.max_steps": timed_end, "train.log_every": s.log_every,
                          "train.eval_every": 10 ** 9, "train.eval_batches": 1, "checkpoint.every": 0,
                          "checkpoint.keep": 1, "checkpoint.at_end": "false"}
+            if self.args.profile:   # one more interval, its middle steps profiled (untimed: the profiler costs)
+                overrides["train.max_steps"] = timed_end + s.log_every
+                overrides["train.profile_steps"] = json.dumps(f"{timed_end + 1}:{timed_end + s.log_every}")
             if precision == "fp8":
                 overrides["fp8.recipe"] = json.dumps("delayed")
             launch, timeout = self.run(gpus, trainer_target(s.preset, self.data_dir(s.preset), out_dir, overrides),
@@ -385,12 +400,15 @@ class Bench:
                 return self.error_row(shape, unit, failure_of(launch, timeout), launch)
             records, summary = read_run(out_dir)
             self.gpu_name = self.gpu_name or summary.get("device")
-            t = throughput(records, s.log_every, global_rows, shape["seqlen"], gpus)
-            return {"shape": shape, "unit": unit, "tilewise": round(t["tokens_per_s_per_gpu"]), PEER: None,
-                    "ratio_best_peer": None, "scaling": None, "step_ms": round(t["step_ms"], 2),
-                    "mfu": None if t["mfu"] is None else round(t["mfu"], 4),
-                    "peak_mem_gb": round(summary["peak_mem_gb"], 2), "final_loss": round(t["final_loss"], 4),
-                    "timed_steps": t["timed_steps"], "wall_s": round(launch.seconds, 1)}
+            t = throughput(records, s.log_every, global_rows, shape["seqlen"], gpus, last_step=timed_end)
+            row = {"shape": shape, "unit": unit, "tilewise": round(t["tokens_per_s_per_gpu"]), PEER: None,
+                   "ratio_best_peer": None, "scaling": None, "step_ms": round(t["step_ms"], 2),
+                   "mfu": None if t["mfu"] is None else round(t["mfu"], 4),
+                   "peak_mem_gb": round(summary["peak_mem_gb"], 2), "final_loss": round(t["final_loss"], 4),
+                   "timed_steps": t["timed_steps"], "wall_s": round(launch.seconds, 1)}
+            if self.args.profile:   # GPU ms per step by kind, each rank's (tilewise.profile)
+                row["details"] = {"profile": [read_profile(out_dir, r) for r in range(gpus)]}
+            return row
         except SkipLaunch as e:
             return self.error_row(shape, unit, str(e))
         except Exception as e:   # one broken variant must not lose the others' rows
@@ -873,6 +891,9 @@ def parse_args(argv=None):
                    help="time for the whole script (default 540, for a 10-minute device call; 0: none)")
     p.add_argument("--launch-timeout-s", type=float, help="the most one launch may take (default 480 on cuda)")
     p.add_argument("--merge", metavar="FILE", help="keep this earlier multigpu.json's rows not measured again")
+    p.add_argument("--profile", action="store_true",
+                   help="scaling: after the timed steps, profile a few more (train.profile_steps) and keep each "
+                        "rank's GPU time by kind, exposed communication among it, in the row's details")
     p.add_argument("--work", help="folder for data and runs (default: a new temporary folder, removed at the end)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -190,10 +190,15 @@ def fake_torchrun(fail_when):
             sets = dict(a.split("=", 1) for a in target if "=" in a)
             out = json.loads(sets["train.out_dir"])
             os.makedirs(out, exist_ok=True)
+            steps = int(sets["train.max_steps"])
             with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-                for step in (2, 4, 6):
-                    f.write(json.dumps({"step": step, "step_ms": 100.0 * nproc, "loss": 9.0 - step, "mfu": None})
-                            + "\n")
+                for step in range(2, steps + 1, 2):   # a profiled interval (after step 6) runs slower
+                    f.write(json.dumps({"step": step, "step_ms": 100.0 * nproc * (1 if step <= 6 else 50),
+                                        "loss": 9.0 - step, "mfu": None}) + "\n")
+            if "train.profile_steps" in sets:
+                for rank in range(nproc):
+                    with open(os.path.join(out, f"profile_rank{rank}.json"), "w") as f:
+                        json.dump({"steps": json.loads(sets["train.profile_steps"]), "rank": rank}, f)
             with open(os.path.join(out, "summary.json"), "w") as f:
                 json.dump({"peak_mem_gb": 0.5, "device": "cpu"}, f)
         return mg.Launch(code=0, seconds=0.1, output="", marks={})
@@ -216,6 +221,18 @@ def test_a_failing_launch_keeps_the_other_rows(monkeypatch, tmp_path):
     assert "4, 8 GPUs" in result["not_measured"][0]
     assert len(calls) == 4
     assert not (tmp_path / "w" / "scaling-fsdp-1").exists()   # run folders are removed
+
+
+def test_profile_runs_an_untimed_interval_and_keeps_every_ranks_summary(monkeypatch, tmp_path):
+    run, calls = fake_torchrun(lambda nproc, target: False)
+    monkeypatch.setattr(mg, "torchrun", run)
+    out = tmp_path / "out"
+    mg.main(["--device", "cpu", "--parts", "scaling", "--variants", "fsdp", "--out", str(out), "--profile"])
+    sets = dict(a.split("=", 1) for a in calls[0][1] if "=" in a)
+    assert sets["train.max_steps"] == "8" and json.loads(sets["train.profile_steps"]) == "7:8"
+    rows = {r["shape"]["gpus"]: r for r in json.loads((out / "multigpu.json").read_text())["rows"]}
+    assert rows[1]["step_ms"] == 100 and rows[2]["step_ms"] == 200   # the profiled interval is not timed
+    assert [p["rank"] for p in rows[2]["details"]["profile"]] == [0, 1]
 
 
 def test_a_later_call_merges_with_an_earlier_ones_rows(monkeypatch, tmp_path):

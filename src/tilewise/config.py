@@ -109,12 +109,19 @@ class TrainConfig:
     compile: bool = False            # torch.compile the model
     cuda_graphs: str = "auto"        # auto | true | false: replay each optimizer step as one CUDA graph
                                      # (auto: on a single CUDA process without dropout; see tilewise/graphs.py)
+    profile_steps: str = ""          # "A:B": steps A..B-1 under torch.profiler, GPU time by kind in
+                                     # out_dir/profile_rank{R}.json (tilewise/profile.py; CUDA only)
 
     def validate(self) -> None:
         for name, least in (("batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("eval_every", 0),
                             ("eval_batches", 1), ("log_every", 1), ("warmup_steps", 0)):
             if getattr(self, name) < least:
                 raise ConfigError(f"train.{name}={getattr(self, name)}; expected an integer >= {least}")
+        from .profile import parse_steps
+        try:
+            parse_steps(self.profile_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     progress: bool = True
 
 

@@ -35,6 +35,7 @@ from .graphs import WARMUP_STEPS, StepGraph, invalidate_fp8_weights, resolve as 
 from .graphs import graph_mode, uncaptured_optimizer_steps
 from .metrics import Metrics, peak_flops, plot_losses, write_json
 from .model import GPT
+from .profile import StepProfiler, parse_steps
 
 
 def resolve_device(name: str) -> torch.device:
@@ -361,6 +362,8 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
         wait_ms += loader.data_wait_ms
         return batch
 
+    profiler = StepProfiler(parse_steps(t.profile_steps), os.path.join(run_dir, f"profile_rank{d.rank}.json"),
+                            device)
     loss_sum = torch.zeros((), device=device)
     val_loss = None
     last_time, last_step = time.time(), start_step
@@ -368,6 +371,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
     failed = True
     try:
         for step in range(start_step, t.max_steps):
+            profiler.before(step)
             lr = lr_at(step, cfg)
             if lr_tensor is not None:
                 lr_tensor.fill_(lr)      # a kernel on the compute stream, ahead of the step: no host sync
@@ -388,6 +392,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
                 if not graph.captured:   # the capture failed under auto: eager from here on
                     graph = None
             loss_sum += step_loss
+            profiler.after(step)
             done = step + 1
             is_eval = (t.eval_every > 0 and done % t.eval_every == 0) or done == t.max_steps
             if done % t.log_every == 0 or is_eval:
@@ -424,6 +429,7 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
             with open(os.path.join(run_dir, "checkpoints.jsonl"), "a") as f:
                 f.writelines(json.dumps(stats) + "\n" for stats in ckpt.history)
     finally:
+        profiler.close()
         loader.close()
         metrics.close()
         if failed:   # the error in flight is the one to report, not a save that cannot finish without a peer
