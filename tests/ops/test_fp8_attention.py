@@ -456,6 +456,15 @@ def test_dk_gemm_in_bf16(path, rotate, causal, device, tma, monkeypatch):
         run()
 
 
+@pytest.mark.parametrize("path", ["ptr", "tma"])
+def test_dk_gemm_in_bf16_varlen(path, device, tma, monkeypatch):
+    tma(path)
+    monkeypatch.setenv("TILEWISE_FP8_ATTN_DK", "bf16")
+    cu = torch.tensor([0, 1, 18, 18, 63, 64, 99], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(99, h, 32, dtype=torch.bfloat16, device=device) for h in (4, 2, 2))
+    check(q, k, v, causal=True, cu_seqlens=cu, rotate=path == "tma")
+
+
 def test_round_e4m3_matches_torch():
     """The interpreter's rounding helper puts values where torch's E4M3 cast (round to nearest even) does."""
     if not f8._INTERPRET:
