@@ -56,6 +56,16 @@ def test_window_outside_cuda_writes_nothing(tmp_path):
     assert not os.path.exists(tmp_path / "p.json")
 
 
+def test_cpu_trainer_says_it_profiles_nothing(tmp_path, capsys):
+    from test_train import small_run, stdlib_subset
+    from tilewise.train import train
+    cfg = small_run(tmp_path, stdlib_subset(None)[:1], steps=3, **{"train.profile_steps": '"1:2"',
+                                                                   "train.device": '"cpu"'})
+    train(cfg)
+    assert "nothing is profiled on cpu" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(cfg.train.out_dir, "profile_rank0.json"))
+
+
 @pytest.mark.gpu
 def test_gpu_trainer_writes_the_profile_of_its_window(tmp_path):
     from test_train import small_run, stdlib_subset

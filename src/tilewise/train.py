@@ -364,6 +364,8 @@ def _train(cfg: Config, d: Dist, resume: bool) -> dict:
 
     profiler = StepProfiler(parse_steps(t.profile_steps), os.path.join(run_dir, f"profile_rank{d.rank}.json"),
                             device)
+    if t.profile_steps and device.type != "cuda":
+        metrics.print(f"train.profile_steps={t.profile_steps!r}: GPU time only, nothing is profiled on {device.type}")
     loss_sum = torch.zeros((), device=device)
     val_loss = None
     last_time, last_step = time.time(), start_step
