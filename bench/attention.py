@@ -427,8 +427,9 @@ def fp8_accuracy(torch):
     return table
 
 
-def run_fp8(torch, triton, args, t0):
-    """The FP8 section: (rows, accuracy, details)."""
+def run_fp8(torch, triton, args, t0, on_shape=None):
+    """The FP8 section: (rows, accuracy, details). on_shape(rows, details) after each shape: what ran is
+    written even if the device call's time runs out before the accuracy table."""
     from tilewise.ops import fp8_attention as f8
     if args.sweep:
         for kern, configs in FP8_SWEEP.items():
@@ -449,6 +450,8 @@ def run_fp8(torch, triton, args, t0):
         rows += bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, args.rep, details)
         print(f"[{time.monotonic() - t0:6.1f}s] fp8 d={head_dim} N={seqlen} causal={causal} done", flush=True)
         torch.cuda.empty_cache()
+        if on_shape is not None:
+            on_shape(rows, details)
     try:
         accuracy = fp8_accuracy(torch)
     except Exception as e:  # the timing rows still reach the JSON
@@ -637,7 +640,12 @@ def main_fp8_only(torch, triton, args, t0):
         result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "triton": triton.__version__, "commit": git_commit(),
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": []}
-    fp8 = run_fp8(torch, triton, args, t0)
+    def partial(rows, details):   # accuracy not measured yet
+        write_results({**result, **fp8_result(torch, triton, (rows, [{"error": "not measured (the run stopped "
+                                                                            "before the accuracy table)"}],
+                                                               details), attn)}, args.out)
+
+    fp8 = run_fp8(torch, triton, args, t0, on_shape=partial)
     result.update(fp8_result(torch, triton, fp8, attn))
     write_results(result, args.out)
     for entry in fp8[2]:
