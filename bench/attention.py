@@ -171,6 +171,15 @@ def run_once(fn, q, k, v, causal, dout):
     return [out.detach()] + [t.grad.detach().clone() for t in (q, k, v)]
 
 
+def time_fwd_bwd(triton, fn, q, k, v, causal, dout, rep):
+    """(median forward ms, median backward ms over one retained graph, the forward call, the backward call)."""
+    fwd = lambda: fn(q, k, v, causal)  # noqa: E731
+    ms_f = triton.testing.do_bench(fwd, warmup=25, rep=rep, return_mode="median")
+    bwd = functools.partial(fwd().backward, dout, retain_graph=True)
+    ms_b = triton.testing.do_bench(bwd, warmup=25, rep=rep, grad_to_none=[q, k, v], return_mode="median")
+    return ms_f, ms_b, fwd, bwd
+
+
 def host_us(torch, fn, grads=()):
     """Host microseconds per call: HOST_CALLS calls queued without a synchronize (the GPU lags behind, so
     the host never waits on it until the launch queue fills, far beyond these calls)."""
@@ -218,14 +227,9 @@ def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_
                     if not diff < AGREE_TOL:
                         notes[name] = f"disagrees with {anchor or order[0]}: rel diff {diff:.3g}, not timed"
                         continue
-                out_fwd = lambda: fn(q, k, v, causal)  # noqa: E731
-                ms_f = triton.testing.do_bench(out_fwd, warmup=25, rep=rep, return_mode="median")
-                out = fn(q, k, v, causal)
-                bwd = functools.partial(out.backward, dout, retain_graph=True)
-                ms_b = triton.testing.do_bench(bwd, warmup=25, rep=rep, grad_to_none=[q, k, v],
-                                               return_mode="median")
-                host[name] = {"fwd": host_us(torch, out_fwd), "bwd": host_us(torch, bwd, [q, k, v])}
-                del out
+                ms_f, ms_b, fwd, bwd = time_fwd_bwd(triton, fn, q, k, v, causal, dout, rep)
+                host[name] = {"fwd": host_us(torch, fwd), "bwd": host_us(torch, bwd, [q, k, v])}
+                del bwd   # and with it the retained graph
         except Exception as e:  # a backend that cannot run this shape (e.g. cuDNN missing) is recorded
             notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
@@ -337,12 +341,7 @@ def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, det
                     if not diff < FP8_AGREE_TOL:
                         notes[name] = f"differs from the bf16 kernel by {diff:.3g}, not timed"
                         continue
-                ms_f = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=rep,
-                                               return_mode="median")
-                out = fn(q, k, v, causal)
-                ms_b = triton.testing.do_bench(functools.partial(out.backward, dout, retain_graph=True), warmup=25,
-                                               rep=rep, grad_to_none=[q, k, v], return_mode="median")
-                del out
+                ms_f, ms_b, _, _ = time_fwd_bwd(triton, fn, q, k, v, causal, dout, rep)
         except Exception as e:  # recorded, so the other providers and shapes still run
             notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
