@@ -10,8 +10,8 @@ at a constant learning rate; their losses after the last step must agree within 
 After timing, --profile-steps more steps run under torch.profiler (CUDA activity only). Each row's
 breakdown_ms is the GPU time per step by kind of kernel (gemm, attention, memory_bound, optimizer: AdamW
 and gradient clipping) and idle = wall - busy, the time the GPU waited on the host; top_kernels lists the
-largest kernels with the kind given to each, so the classification can be checked. The profiler adds a
-little host time per launch, so an eager variant's idle is an upper bound.
+largest kernels with the kind given to each and their launches per step, so the classification can be
+checked. The profiler adds a little host time per launch, so an eager variant's idle is an upper bound.
 
     PYTHONPATH=src python3 bench/e2e.py --out DIR [--quick] [--configs gpt2-124m,gpt-1.3b] [--fp8 gpt-1.3b]
 """

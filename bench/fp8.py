@@ -151,7 +151,9 @@ def runner(module, weight, xs, dys, pre=None):
             pre()
         y = module(xs[i])
         dx, dw = torch.autograd.grad(y, (xs[i], weight), dys[i])
-        return y, dx, dw
+        # detached: a y kept by the caller would keep its autograd graph, whose AccumulateGrad nodes then
+        # belong to the default stream and invalidate a later CUDA-graph capture of fn (torch 2.11)
+        return y.detach(), dx, dw
     return fn
 
 

@@ -35,6 +35,7 @@ def test_summary_busy_idle_and_exposed_communication():
     assert ms["wall"] == 50 and ms["busy"] == 42.5 and ms["idle"] == 7.5   # busy: 0-70, 80-90, 95-100
     assert ms["communication_exposed"] == 15   # 30 of its 40 ms ran beside no compute kernel
     assert {k["name"] for k in got["top_kernels"][:2]} == {"cutlass_gemm", "ncclDevKernel_AllGather"}
+    assert all(k["calls"] == 0.5 for k in got["top_kernels"])   # one launch each over two steps
     assert summarize_trace([events[3]], 1) == {"error": "the profiler recorded no GPU activity"}
 
 

@@ -64,6 +64,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
         return {"error": "the profiler recorded no GPU activity"}
     by_kind = dict.fromkeys(["gemm", "attention", "memory_bound", "optimizer", "communication"], 0.0)
     by_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     everything, comm, compute = [], [], []
     for e in gpu:
         start, dur = float(e["ts"]), float(e.get("dur", 0.0))
@@ -71,6 +72,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
         kind = kind_of(name)
         by_kind[kind] += dur
         by_name[name] = by_name.get(name, 0.0) + dur
+        calls[name] = calls.get(name, 0) + 1
         everything.append((start, start + dur))
         (comm if kind == "communication" else compute).append((start, start + dur))
     busy = _union(everything)
@@ -81,7 +83,8 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     return {"breakdown_ms": {**{k: ms(v) for k, v in by_kind.items()}, "idle": ms(wall - _length(busy)),
                              "busy": ms(_length(busy)), "wall": ms(wall),
                              "communication_exposed": ms(_length(comm) - _overlap(comm, compute))},
-            "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms": ms(v)} for n, v in top]}
+            "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms": ms(v), "calls": round(calls[n] / steps, 2)}
+                            for n, v in top]}
 
 
 def trace_events(prof) -> list[dict]:
