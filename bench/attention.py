@@ -311,8 +311,6 @@ def fp8_providers():
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {})}
-    # dK's GEMM on 16-bit tensor cores (TILEWISE_FP8_ATTN_DK=bf16), timed beside the default until one wins
-    found["tilewise_fp8_dkbf16"] = (found["tilewise_fp8"][0], {"TILEWISE_FP8_ATTN_DK": "bf16"})
     return found
 
 
@@ -460,11 +458,11 @@ def run_fp8(torch, triton, args, t0, on_shape=None):
 
 
 def fp8_table(rows, accuracy):
-    cols = ["tilewise", "tilewise_fp8", "tilewise_fp8_rot", "tilewise_fp8_dkbf16"]
+    cols = ["tilewise", "tilewise_fp8", "tilewise_fp8_rot"]
     fmt = lambda x, w=10: f"{x:>{w}.1f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
     fmr = lambda x: f"{x:>9.2f}" if isinstance(x, (int, float)) else f"{'-':>9}"  # noqa: E731
     lines = ["attention FP8 vs bf16 (tilewise), TFLOP/s",
-             f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} {'bf16':>10} {'fp8':>10} {'fp8+rot':>10} {'fp8 dK16':>10} {'x fp8':>9} {'x rot':>9} {'x dK16':>9}"]
+             f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} {'bf16':>10} {'fp8':>10} {'fp8+rot':>10} {'x fp8':>9} {'x rot':>9}"]
     for r in rows:
         s = r["shape"]
         if r.get("skipped"):
@@ -472,8 +470,7 @@ def fp8_table(rows, accuracy):
             continue
         lines.append(f"{s['head_dim']:>4} {s['seqlen']:>6} {str(s['causal']):>6} {s['pass']:>5} "
                      + " ".join(fmt(r.get(c)) for c in cols)
-                     + f" {fmr(r.get('ratio_tilewise_fp8'))} {fmr(r.get('ratio_tilewise_fp8_rot'))}"
-                     + f" {fmr(r.get('ratio_tilewise_fp8_dkbf16'))}")
+                     + f" {fmr(r.get('ratio_tilewise_fp8'))} {fmr(r.get('ratio_tilewise_fp8_rot'))}")
         for name, note in (r.get("notes") or {}).items():
             lines.append(f"{'':>24}{name}: {note}")
     lines.append("attention FP8 accuracy vs float64, causal, RMSE (relative error) of o / dq / dk / dv")

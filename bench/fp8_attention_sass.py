@@ -33,21 +33,18 @@ POINTERS = {**dict.fromkeys(["Q8", "Q8T", "K8", "K8T", "V8", "V8T", "DO8", "DO8T
 
 
 def variants(d: int):
-    """name -> (kernel, extra constexprs, descriptor blocks (as functions of bm, bn), pointer/descriptor dtypes)."""
+    """name -> (kernel, extra constexprs, descriptor blocks (as functions of bm, bn))."""
     from tilewise.ops import fp8_attention as f8
-    dkdv_descs = lambda bm, bn: {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}  # noqa: E731
     return {
-        "fp8_fwd": (f8._fp8_fwd, {"Q_PRE": False}, lambda bm, bn: {"desc_k": (bn, d), "desc_v": (d, bn)}, {}),
-        "fp8_dkdv": (f8._fp8_bwd_dkdv, {"GQA": False, "ROTATE": False, "DK_BF16": False}, dkdv_descs, {}),
-        # TILEWISE_FP8_ATTN_DK=bf16: Q in bf16, row-major, is dK's right operand
-        "fp8_dkdv_bf16": (f8._fp8_bwd_dkdv, {"GQA": False, "ROTATE": False, "DK_BF16": True},
-                          lambda bm, bn: {**dkdv_descs(bm, bn), "desc_qt": (bm, d)}, {"Q8T": BF16, "desc_qt": "bf16"}),
+        "fp8_fwd": (f8._fp8_fwd, {"Q_PRE": False}, lambda bm, bn: {"desc_k": (bn, d), "desc_v": (d, bn)}),
+        "fp8_dkdv": (f8._fp8_bwd_dkdv, {"GQA": False, "ROTATE": False},
+                     lambda bm, bn: {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}),
         "fp8_dq": (f8._fp8_bwd_dq, {"ROTATE": False},
-                   lambda bm, bn: {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}, {}),
+                   lambda bm, bn: {"desc_k": (bn, d), "desc_v": (bn, d), "desc_kt": (d, bn)}),
     }
 
 
-def compile_sass(fn, descs: dict, constexprs: dict, cfg, types: dict) -> str:
+def compile_sass(fn, descs: dict, constexprs: dict, cfg) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,9 +54,9 @@ def compile_sass(fn, descs: dict, constexprs: dict, cfg, types: dict) -> str:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in descs:
-            sig[name] = "tensordesc<%s[%d, %d]>" % (types.get(name, "fp8e4nv"), *descs[name])
+            sig[name] = "tensordesc<fp8e4nv[%d, %d]>" % descs[name]
         else:
-            sig[name] = types.get(name, POINTERS.get(name, "i32"))
+            sig[name] = POINTERS.get(name, "i32")
             if sig[name].startswith("*") or (sig[name] == "i32" and name not in ("left", "right", "b0")):
                 attrs[(i,)] = [["tt.divisibility", 16]]   # what the launcher's arguments specialize to
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -87,11 +84,11 @@ def inner_loop(sass: str) -> list[str]:
 
 def report(name: str, cfg, causal: bool, d: int = 128) -> dict:
     from tilewise.ops import fp8_attention as f8
-    fn, extra, descs, types = variants(d)[name]
+    fn, extra, descs = variants(d)[name]
     bm, bn = cfg[:2]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HAS_LEFT=False, HAS_RIGHT=causal, VARLEN=False, USE_TMA=True,
                   KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, BLOCK_M=bm, BLOCK_N=bn, **extra)
-    sass = compile_sass(fn, descs(bm, bn), {k: v for k, v in consts.items() if k in fn.arg_names}, cfg, types)
+    sass = compile_sass(fn, descs(bm, bn), {k: v for k, v in consts.items() if k in fn.arg_names}, cfg)
     loop = inner_loop(sass)
     return {"kernel": name, "config": list(cfg), "causal": causal,
             "spills": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
@@ -101,9 +98,9 @@ def report(name: str, cfg, causal: bool, d: int = 128) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernels", default="fp8_fwd,fp8_dkdv,fp8_dkdv_bf16,fp8_dq")
+    p.add_argument("--kernels", default="fp8_fwd,fp8_dkdv,fp8_dq")
     p.add_argument("--config", action="append", default=[], metavar="KERNEL=BM,BN,WARPS,STAGES",
-                   help="a config instead of the kernel's default (repeatable; fp8_dkdv's also serves fp8_dkdv_bf16)")
+                   help="a config instead of the kernel's default (repeatable)")
     p.add_argument("--both-masks", action="store_true", help="non-causal builds too")
     p.add_argument("--json", action="store_true", help="one JSON list on the last line")
     args = p.parse_args(argv)
@@ -118,8 +115,7 @@ def main(argv=None) -> int:
             p.error(f"--config {c!r}: expected KERNEL=BM,BN,WARPS,STAGES, e.g. fp8_dkdv=64,64,4,2")
     out = []
     for name in args.kernels.split(","):
-        base = name.replace("_bf16", "")
-        cfg = configs.get(name) or configs.get(base) or tuple(f8.FP8_CONFIGS[base][128][0][:4])
+        cfg = configs.get(name) or tuple(f8.FP8_CONFIGS[name][128][0][:4])
         for causal in ((False, True) if args.both_masks else (True,)):
             r = report(name, cfg, causal)
             out.append(r)

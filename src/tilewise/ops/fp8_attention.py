@@ -50,13 +50,6 @@ FP8 wgmma adds into its accumulator with fewer bits than fp32 (about 14, as Deep
 relative, far below one E4M3 rounding (3.6% RMS), so accumulators stay in the tensor core (an fp32 add
 outside would need a second register tile).
 
-dK on 16-bit tensor cores (TILEWISE_FP8_ATTN_DK=bf16, dk_gemm()). The kernels are issue-bound, not tensor-core
-bound: FP8's per-row quantization of dS^T (a running row maximum, the accumulator rescaled as it grows, the
-cast) costs the dK/dV inner loop about a third of its instructions (sm_90 SASS, d=128, 64x64 tiles: 742
-per tile against 500 with dK = dS^T Q from bf16 dS^T and the unrotated bf16 Q, which needs no transposed
-FP8 copy of Q either); the bf16 GEMM takes twice the FP8 one's tensor-core time. It is also more accurate
-(dK 0.87x the FP8 GEMM's error in the interpreter test). Off by default until the H200 shows which is faster.
-
 Rotation. rotate=True multiplies Q and K of every head by R = H diag(signs) (Sylvester's Hadamard matrix,
 fixed random signs; head_dim a power of two >= 32) before quantizing: QK^T is unchanged and a few large
 channels are spread over all of them. Float64 emulation, 4 channels per head x20 in Q, K, V, causal: output
@@ -73,7 +66,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -376,19 +368,15 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
                    s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DK_BF16: tl.constexpr, EMU: tl.constexpr):
+                   BLOCK_N: tl.constexpr, EMU: tl.constexpr):
     """One query block's share of dK, dV in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q. The query rows' scales (Q, dO)
-    lie along the reduction of the last two, so they multiply the left operand before its quantization.
-    DK_BF16: dK += dS^T Q on 16-bit tensor cores instead, Q8T/desc_qt then being Q in bf16 (Q8's layout)."""
+    lie along the reduction of the last two, so they multiply the left operand before its quantization."""
     rows = start_m + offs_m
     if USE_TMA:
         q8 = desc_q.load([q_row + start_m, q_col])
         do8 = desc_do.load([q_row + start_m, q_col])
-        if DK_BF16:
-            q16 = desc_qt.load([q_row + start_m, q_col])
-        else:
-            q8t = desc_qt.load([qt_row, qt_col + start_m])
+        q8t = desc_qt.load([qt_row, qt_col + start_m])
         do8t = desc_dot.load([qt_row, qt_col + start_m])
     else:
         sm64 = tl.cast(start_m, tl.int64)
@@ -396,10 +384,7 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         t_offs = offs_d.to(tl.int64)[:, None] * std + sm64 + offs_m[None, :]
         q8 = _load_tile(Q8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         do8 = _load_tile(DO8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        if DK_BF16:
-            q16 = _load_tile(Q8T + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        else:
-            q8t = _load_tile_t(Q8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q8t = _load_tile_t(Q8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         do8t = _load_tile_t(DO8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
     if MASKED:
         inside = rows < seqlen_q
@@ -419,13 +404,10 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
     dv = tl.dot(_e4m3(p_t, EMU), tl.trans(do8t), dv)   # dO^T scaled per head: no row scale here
     dp_t = tl.dot(v8, tl.trans(do8))
-    if DK_BF16:   # dS^T, P's 1/256 folded into the per-query vectors
-        g = p_t * (dp_t * (dos * vs * (1.0 / P_SCALE))[None, :] - (delta * (1.0 / P_SCALE))[None, :])
-        dk = _dot(_cast(g, tl.bfloat16, EMU), q16, dk, "ieee", EMU)   # EMU: the interpreter's bf16 by hand
-    else:   # dS^T diag(Q row scales), the row scales folded into those vectors too (powers of two: exact)
-        qs_p = qs * (1.0 / P_SCALE)
-        g = p_t * (dp_t * (dos * vs * qs_p)[None, :] - (delta * qs_p)[None, :])
-        dk, ck = _acc_rows(dk, ck, g, 1.0, tl.max(tl.abs(g), 1), tl.trans(q8t), EMU)
+    # dS^T diag(Q row scales), the row scales and P's 1/256 folded into the per-query vectors (powers of two)
+    qs_p = qs * (1.0 / P_SCALE)
+    g = p_t * (dp_t * (dos * vs * qs_p)[None, :] - (delta * qs_p)[None, :])
+    dk, ck = _acc_rows(dk, ck, g, 1.0, tl.max(tl.abs(g), 1), tl.trans(q8t), EMU)
     return dk, dv, ck
 
 
@@ -435,7 +417,7 @@ def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LS
                      s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     USE_TMA: tl.constexpr, DK_BF16: tl.constexpr, EMU: tl.constexpr):
+                     USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each head of
     its group: one flat loop over (head, block) pairs, as in the bf16 kernel."""
     if GQA:
@@ -449,14 +431,14 @@ def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LS
                                         qt_off + g64 * sth, l_off + g64 * slh, q_row, (h0 + g) * HEAD_DIM,
                                         qt_row + g * HEAD_DIM, qt_col, s8s, std, start_m, kpos, offs_m,
                                         offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
-                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, DK_BF16, EMU)
+                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             dk, dv, ck = _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                         DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
                                         q_row, h0 * HEAD_DIM, qt_row, qt_col, s8s, std, start_m, kpos, offs_m,
                                         offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
-                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, DK_BF16, EMU)
+                                        HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     return dk, dv, ck
 
 
@@ -474,10 +456,10 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                   seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr, ROTATE: tl.constexpr,
-                  KV_BLOCK: tl.constexpr, DK_BF16: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
-    layout, as do Q8T/DO8T and K8/V8 (all written by the pass); DK_BF16: Q8T is Q in bf16, in Q8's layout."""
+    layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2) + b0
@@ -512,25 +494,22 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
-                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, DK_BF16, EMU)
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     if HAS_RIGHT:
         dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                           DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
                                           h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
                                           offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
-                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, DK_BF16, EMU)
+                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                                       desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
                                       tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
                                       inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
-                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, DK_BF16, EMU)
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     dv = dv * (_scales(tl.load(DOA + h0))[1] / P_SCALE)
-    if DK_BF16:   # from the unrotated Q: nothing to rotate back
-        dk = dk * grad_scale
-    else:
-        dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
-        if ROTATE:
-            dk = _unrotate(dk, ROT, offs_d, BLOCK_D)
+    dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
+    if ROTATE:
+        dk = _unrotate(dk, ROT, offs_d, BLOCK_D)
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
     _store_tile(DV + g_off, _cast(dv, DV.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
@@ -792,17 +771,6 @@ def _t_descriptor(t, packed, block_cols):
     return attn._fast_descriptor(attn._DESC_DEFAULTS, t, shape, strides, block)
 
 
-def dk_gemm() -> str:
-    """TILEWISE_FP8_ATTN_DK: "fp8" (default) runs dK = dS^T Q on E4M3 tensor cores, dS^T quantized per key
-    row against its running maximum (the accumulator rescaled as it grows); "bf16" runs it on 16-bit tensor
-    cores from dS^T and Q in bf16, which drops that bookkeeping from the issue-bound inner loop at twice
-    the GEMM's tensor-core time (and is more accurate). Read per call; the kernel's key holds the answer."""
-    mode = os.environ.get("TILEWISE_FP8_ATTN_DK", "fp8").strip().lower()
-    if mode not in ("fp8", "bf16"):
-        raise ValueError(f"TILEWISE_FP8_ATTN_DK={mode!r}; expected 'fp8' or 'bf16'")
-    return mode
-
-
 def _tma(device, head_dim):
     """The load path of the FP8 kernels: descriptors where the bf16 kernel would use them and every tile
     spans whole rows (head_dim a power of two >= 32; the copies are the pass's, always contiguous)."""
@@ -870,10 +838,7 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     lse2, delta = attn._backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
     cu_t = _t_offsets(cu) if packed else None
     rot = rotation(head_dim, q.device) if rotate else None
-    dk_bf16 = dk_gemm() == "bf16"
-    q8, q8t, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=not dk_bf16)
-    if dk_bf16:   # dK's right operand: Q itself in bf16, in Q8's (contiguous) layout
-        q8t = q.to(torch.bfloat16).contiguous()
+    q8, q8t, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
     do_amax = _head_amax(dout, heads // kv_heads, packed)
     do8, do8t, dos = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, transposed=True,
                                t_amax=do_amax)
@@ -888,22 +853,18 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
     consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
     bucket = attn._bucket(max_q, max_k)
 
-    # Q8T and DO8T share a layout (with DK_BF16, Q8T is the bf16 Q and DO8T's strides serve both); dK from the
-    # unrotated bf16 Q needs no 1/head_dim for the rotation
-    dkdv_tail = (tail[0], softmax_scale, *tail[2:]) if dk_bf16 else tail
-    dkdv_scalars = (*_seq_strides(q8, packed), *_t_strides(do8t, packed), *_seq_strides(k8, packed),
+    dkdv_scalars = (*_seq_strides(q8, packed), *_t_strides(q8t, packed), *_seq_strides(k8, packed),
                     *ks.stride()[:2], *_seq_strides(dk, packed), *lse_strides,
-                    seqlen_q, seqlen_k, rows_q, 0 if packed else heads, group, *dkdv_tail)
+                    seqlen_q, seqlen_k, rows_q, 0 if packed else heads, group, *tail)
 
     def dkdv_args(bm, bn, use_tma, b0):
-        descs = ((attn._descriptor(q8, packed, bm),
-                  attn._descriptor(q8t, packed, bm) if dk_bf16 else _t_descriptor(q8t, packed, bm),
+        descs = ((attn._descriptor(q8, packed, bm), _t_descriptor(q8t, packed, bm),
                   attn._descriptor(do8, packed, bm), _t_descriptor(do8t, packed, bm))
                  if use_tma else (None,) * 4)
         return (q8, q8t, k8, v8, do8, do8t, qs, dos, ks, vs, dk, dv, lse2, delta, do_amax, rot, cu, cu_t,
                 *descs, *dkdv_scalars, b0)
 
-    dkdv_consts = {**consts, "GQA": group > 1, "DK_BF16": dk_bf16}
+    dkdv_consts = {**consts, "GQA": group > 1}
     attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,
               lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb), dkdv_args, dkdv_consts)
 
