@@ -163,7 +163,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         want_db = need_db and layer.bias is not None
         if need_dx or need_dw:
-            # the bias gradient comes from the same read of dy (pad rows are zero)
+            # the bias gradient: the cast sums dy's columns (pad rows are zero)
             sums = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device) if want_db else None
             dy8, dy_s, dy8t, dy_ts = layer._cast(layer.fp8_state, layer.fp8_slot + 2, dy2, need_dx, need_dw, sums,
                                                  _DY_ROLES)

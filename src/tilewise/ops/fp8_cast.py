@@ -1,6 +1,6 @@
 """FP8 casts: saturating E4M3 / E5M2 copies of a tensor, fused with its transposed copy (the operand layout
-the weight-gradient GEMM needs), its amax and, for an output gradient, its column sums (the bias gradient),
-all from one read of the tensor.
+the weight-gradient GEMM needs) and its amax, all from one read of the tensor; for an output gradient, its
+column sums (the bias gradient) too.
 
 Two ways to scale, one kernel each:
 - Per tensor (recipes "delayed" and "current"): y = clamp(x * scale, +-fp8_max), rounded to nearest even.
@@ -25,8 +25,10 @@ and a kernel that writes only the transposed copy is correct with either. So a f
 weight, cast once per optimizer step) takes two passes, the row-major copy and then the transposed one; the
 gpu tests compare every copy bitwise against torch's cast for each input dtype and tile, and
 bench/fp8_transpose_probe.py tells whether a Triton upgrade makes the split unnecessary.
-Column sums: per 32-row block into a (rows/32, cols) fp32 buffer that one torch.sum reduces. Deterministic
-(no float atomics), and the same values whatever the tile, so a rerun with another tile is harmless.
+Column sums: one torch.sum after the cast, a second read of the tensor. Fused into the cast kernels (per
+32-row partials that a torch.sum reduced) they cost more than that read: the sum across a tile's rows
+takes shuffles and barriers on every tile, and the dy cast ran at 0.25-0.30 of copy bandwidth on the H200
+against 0.81-0.84 without them (bench/fp8.py at e387e02).
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
 every new shape and cannot run inside a CUDA graph capture. `bench/fp8.py --sweep` times the candidates
 (_CAST_CONFIGS) on the GPU. A kernel variant that does not compile on the machine at hand falls back to a
@@ -53,7 +55,6 @@ _FP8_GRID = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FUSED_COPIES_DTYPES = (torch.bfloat16, torch.float16)  # both copies in one pass (see the module docstring)
 BLOCK = 128                    # the block-scaling segment length (the "128" of 1x128)
-_SUB_M = 32                    # rows per column-sum partial; divides every tile's BLOCK_M
 _PARTS = 512                   # most amax partials of a current-scaling pass (one per program)
 _MAX_ELEMENTS = 2 ** 31 - 2 ** 16  # the kernels index in int32, with a block of headroom
 # Current scaling's scratch (float32): [scale, pad x3, 1/scale, pad x3, partial maxima x _PARTS]. scale and
@@ -118,25 +119,11 @@ def _saturate_to_fp8(v, like_ptr, fp8_max, EXACT_ROUND: tl.constexpr, EMIN: tl.c
 
 
 @triton.jit
-def _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Column sums of each SUB_M-row block of the tile: partials row = global row // SUB_M."""
-    if BLOCK_M == SUB_M:  # one block: no reshape, no size-1 dimension
-        tl.store(colsum_ptr + pid_m * N + offs_n, tl.sum(x, axis=0), mask=offs_n < N)
-    else:
-        part = tl.sum(tl.reshape(x, [BLOCK_M // SUB_M, SUB_M, BLOCK_N]), axis=1)
-        rows = pid_m * (BLOCK_M // SUB_M) + tl.arange(0, BLOCK_M // SUB_M)
-        n_parts = (M + SUB_M - 1) // SUB_M
-        tl.store(colsum_ptr + rows[:, None] * N + offs_n[None, :], part,
-                 mask=(rows[:, None] < n_parts) & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, colsum_ptr,
+def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr,
                      fp8_max, inv_margin,
                      CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
-                     ACC_AMAX: tl.constexpr, COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                     EMIN: tl.constexpr, MBITS: tl.constexpr, SUB_M: tl.constexpr, PARTS: tl.constexpr,
+                     ACC_AMAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                     EMIN: tl.constexpr, MBITS: tl.constexpr, PARTS: tl.constexpr,
                      PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-tensor cast of one tile. CURRENT: the scale comes from the amax partials in scratch, and
@@ -172,8 +159,6 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
         tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
     if ACC_AMAX and not CURRENT:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
-    if COL_SUMS:
-        _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -186,10 +171,10 @@ def _block_scales(amax, fp8_max):
 
 
 @triton.jit
-def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc_ptr, colsum_ptr, fp8_max,
+def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc_ptr, fp8_max,
                            WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr, ACC_AMAX: tl.constexpr,
-                           COL_SUMS: tl.constexpr, EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr,
-                           MBITS: tl.constexpr, SUB_M: tl.constexpr, BLOCK_S: tl.constexpr):
+                           EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
     """1x128 block cast of one 128x128 tile: y's rows are scaled per 128 columns, ys[pid_n, row] = 1/scale;
     y_t's rows (x's columns) per 128 rows of x, yts[pid_m, col] = 1/scale."""
     pid_m = tl.program_id(0)
@@ -211,8 +196,6 @@ def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc
         tl.store(yts_ptr + pid_m * N + offs_n, tl.math.div_rn(1.0, s), mask=offs_n < N)
     if ACC_AMAX:
         tl.atomic_max(amax_acc_ptr, tl.max(tl.max(bits, axis=1), axis=0))
-    if COL_SUMS:
-        _column_sums(x, colsum_ptr, pid_m, offs_n, M, N, SUB_M, BLOCK_S, BLOCK_S)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +215,6 @@ _TILES = {"t": (64, 128, 8), "y": (64, 128, 8)}
 # take 182, 4 spill.
 _BLOCK_WARPS = 16
 _INTERPRETER_TILE = (32, 32, 4)
-assert all(bm % _SUB_M == 0 for bm, _, _ in _CAST_CONFIGS) and BLOCK % _SUB_M == 0
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it at decoration
@@ -250,27 +232,27 @@ _amax_launcher = FastLauncher(_amax_partials_kernel)
 _PLANS: dict = {}
 
 
-def _cast_plan(current, write_y, write_t, acc_amax, col_sums, fp8_dtype, tile):
-    key = ("cast", current, write_y, write_t, acc_amax, col_sums, fp8_dtype, tile)
+def _cast_plan(current, write_y, write_t, acc_amax, fp8_dtype, tile):
+    key = ("cast", current, write_y, write_t, acc_amax, fp8_dtype, tile)
     plan = _PLANS.get(key)
     if plan is None:
         emin, mbits = _FP8_GRID[fp8_dtype]
         bm, bn, warps = tile
         plan = _PLANS[key] = _cast_launcher.bind(
-            CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, COL_SUMS=col_sums,
-            EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
+            CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax,
+            EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
             SCALE_INV_AT=SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return plan
 
 
-def _block_plan(write_y, write_t, acc_amax, col_sums, fp8_dtype, warps):
-    key = ("block", write_y, write_t, acc_amax, col_sums, fp8_dtype, warps)
+def _block_plan(write_y, write_t, acc_amax, fp8_dtype, warps):
+    key = ("block", write_y, write_t, acc_amax, fp8_dtype, warps)
     plan = _PLANS.get(key)
     if plan is None:
         emin, mbits = _FP8_GRID[fp8_dtype]
         plan = _PLANS[key] = _block_launcher.bind(
-            WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, COL_SUMS=col_sums, EXACT_ROUND=_INTERPRET,
-            EMIN=emin, MBITS=mbits, SUB_M=_SUB_M, BLOCK_S=BLOCK, num_warps=warps)
+            WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, EXACT_ROUND=_INTERPRET,
+            EMIN=emin, MBITS=mbits, BLOCK_S=BLOCK, num_warps=warps)
     return plan
 
 
@@ -282,9 +264,8 @@ _amax_interpreted = _amax_launcher.bind(PARTS_AT=_PARTS_AT, BLOCK_E=1024, num_wa
 # Launchers
 # ----------------------------------------------------------------------------------------------------
 # Kernel variants that failed to compile on this machine (another Triton, another GPU): key -> (name,
-# reason). The casts then take a path that computes the same function (the fused column sums become a
-# torch.sum; a whole kernel becomes the PyTorch reference), warn once, and the gpu tests and bench/fp8.py
-# report them. Only compilation failures are caught, never errors of a kernel that ran.
+# reason). The casts then take a path that computes the same function (the PyTorch reference), warn once,
+# and the gpu tests and bench/fp8.py report them. Only compilation failures are caught, never errors of a kernel that ran.
 _FALLBACKS: dict = {}
 _COMPILE_ERRORS = tuple(e for e in (getattr(triton.compiler.errors, "CompilationError", None),
                                     getattr(triton.runtime.errors, "OutOfResources", None),
@@ -329,23 +310,12 @@ def _launch_amax(x, scratch) -> int:
     return parts
 
 
-def _new_partials(M, N, device):
-    # Every SUB_M-row block's partial is written whatever the tile, so no fill (the tests fill NaN here).
-    return torch.empty(cdiv(M, _SUB_M), N, dtype=torch.float32, device=device)
-
-
 def _with_col_sums(x, col_sums, key, name, launch) -> bool:
-    """launch(partials or None) with the fused column sums when col_sums is given; if only the fused
-    variant fails to compile, the cast alone and then a torch.sum (a second read of x)."""
-    if col_sums is None:
-        return _compiled(key + (False,), name, lambda: launch(None))
-    partials = _new_partials(x.shape[0], x.shape[1], x.device)
-    if _compiled(key + (True,), lambda: name() + " with column sums", lambda: launch(partials)):
-        torch.sum(partials, dim=0, out=col_sums)
-        return True
-    if not _compiled(key + (False,), name, lambda: launch(None)):
+    """launch() (False when it does not compile here), then the column sums, if asked for, by one torch.sum."""
+    if not _compiled(key, name, launch):
         return False
-    torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
+    if col_sums is not None:
+        torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
     return True
 
 
@@ -376,18 +346,16 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
     tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
     split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES
 
-    def launch(partials):
-        sums = partials is not None
+    def launch():
         for tile in tiles:
             grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
-            if split:  # the row-major copy with the amax and sums, then the transposed copy alone
-                _cast_plan(current, True, False, acc, sums, fp8_dtype, tile)(
-                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, partials if sums else scale, *tail)
-                _cast_plan(current, False, True, False, False, fp8_dtype, tile)(
-                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, scale, *tail)
+            if split:  # the row-major copy with the amax, then the transposed copy alone
+                _cast_plan(current, True, False, acc, fp8_dtype, tile)(
+                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, *tail)
+                _cast_plan(current, False, True, False, fp8_dtype, tile)(
+                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, *tail)
             else:
-                _cast_plan(current, write_y, write_t, acc, sums, fp8_dtype, tile)(
-                    grid, *args, partials if sums else scale, *tail)
+                _cast_plan(current, write_y, write_t, acc, fp8_dtype, tile)(grid, *args, *tail)
 
     key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles)
     name = lambda: (f"_fp8_cast_kernel(CURRENT={current}, WRITE_Y={write_y}, WRITE_T={write_t}, ACC_AMAX={acc}, "
@@ -408,16 +376,13 @@ def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=N
     grid = (cdiv(M, BLOCK), cdiv(N, BLOCK))
     split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES  # see the module docstring
 
-    def launch(partials):
-        sums = partials is not None
-        if split:  # the row-major copy with the amax and sums, then the transposed copy alone
-            _block_plan(True, False, acc, sums, fp8_dtype, warps)(
-                grid, x, y, y, ys, ys, M, N, args[-1], partials if sums else ys, FP8_MAX[fp8_dtype])
-            _block_plan(False, True, False, False, fp8_dtype, warps)(
-                grid, x, yt, yt, yts, yts, M, N, args[-1], yts, FP8_MAX[fp8_dtype])
+    def launch():
+        if split:  # the row-major copy with the amax, then the transposed copy alone
+            _block_plan(True, False, acc, fp8_dtype, warps)(grid, x, y, y, ys, ys, M, N, args[-1], FP8_MAX[fp8_dtype])
+            _block_plan(False, True, False, fp8_dtype, warps)(
+                grid, x, yt, yt, yts, yts, M, N, args[-1], FP8_MAX[fp8_dtype])
         else:
-            _block_plan(write_y, write_t, acc, sums, fp8_dtype, warps)(
-                grid, *args, partials if sums else some_s, FP8_MAX[fp8_dtype])
+            _block_plan(write_y, write_t, acc, fp8_dtype, warps)(grid, *args, FP8_MAX[fp8_dtype])
 
     key = ("block", write_y, write_t, acc, x.dtype, fp8_dtype, warps)
     name = lambda: f"_fp8_block_cast_kernel(WRITE_Y={write_y}, WRITE_T={write_t}, warps={warps})"
