@@ -265,7 +265,8 @@ _amax_interpreted = _amax_launcher.bind(PARTS_AT=_PARTS_AT, BLOCK_E=1024, num_wa
 # ----------------------------------------------------------------------------------------------------
 # Kernel variants that failed to compile on this machine (another Triton, another GPU): key -> (name,
 # reason). The casts then take a path that computes the same function (the PyTorch reference), warn once,
-# and the gpu tests and bench/fp8.py report them. Only compilation failures are caught, never errors of a kernel that ran.
+# and the gpu tests and bench/fp8.py report them. Only compilation failures are caught, never errors of a
+# kernel that ran.
 _FALLBACKS: dict = {}
 _COMPILE_ERRORS = tuple(e for e in (getattr(triton.compiler.errors, "CompilationError", None),
                                     getattr(triton.runtime.errors, "OutOfResources", None),
