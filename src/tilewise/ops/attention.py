@@ -134,6 +134,27 @@ def _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program of the grid (query blocks, heads, batch), the latest query blocks first (the most causal
+    work starts first): (its first query row, head, kv head, batch, and the sequence's start, seqlen_q,
+    seqlen_k). The kernel returns at once when the first row is past seqlen_q (varlen batches)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, h, h // group, b, start, sq, sk
+
+
+@triton.jit
+def _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program of the grid (key blocks, kv heads, batch), early key blocks first (seen by the most causal
+    queries): (its first key row, kv head, batch, and the sequence's start, seqlen_q, seqlen_k)."""
+    hk = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    return tl.program_id(0) * BLOCK_N, hk, b, start, sq, sk
+
+
+@triton.jit
 def _key_range(first, last, seqlen_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Key blocks for query positions first..last (bottom-right aligned): [lo, hi) holds every key any of
@@ -255,12 +276,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
     in L2; within a head the latest (most causal work) go first."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    hk = h // group
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
@@ -416,11 +432,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
     blocks are seen by the most causal queries: they go first."""
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    n0 = pid_n * BLOCK_N
+    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
     h0 = hk * group
@@ -504,12 +516,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
                  DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    hk = h // group
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)

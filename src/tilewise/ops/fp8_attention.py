@@ -73,8 +73,8 @@ import triton
 import triton.language as tl
 
 from . import attention as attn
-from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_range, _load_tile, _query_range,
-                        _seq_bounds, _store_tile)
+from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_program, _key_range, _load_tile, _query_program,
+                        _query_range, _seq_bounds, _store_tile)
 from .dispatch import use_triton
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
@@ -293,12 +293,7 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
     quantized here (Q_PRE: already quantized by the pass, with its row scales QS: the rotated case)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    hk = h // group
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
@@ -460,11 +455,7 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
     layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    n0 = pid_n * BLOCK_N
+    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
     h0 = hk * group
@@ -559,12 +550,7 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
                 EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    hk = h // group
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
