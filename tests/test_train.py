@@ -87,3 +87,42 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tmp_path_facto
     train(resumed, resume=True)
     resumed_losses = [r["loss"] for r in read_metrics(resumed.train.out_dir)]
     assert resumed_losses == losses[8:]
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0])
+def test_clipping_folded_into_fused_adamw_matches_clip_grad_norm(grad_clip):
+    """With fused AdamW the clipping is the optimizer's gradient divisor (no pass over the gradients): the
+    weights after a few steps match clip_grad_norm_ + foreach AdamW, and grad_clip 0 clips nothing."""
+    import copy
+    from contextlib import nullcontext
+
+    import torch
+    from tilewise.model import GPT
+    from tilewise.train import _clip_folds_into_adamw, make_step
+    cfg = load_config("tiny", overrides=["model.n_layer=1", "model.d_model=32", "model.n_head=2",
+                                         "model.seq_len=16"])
+    cfg.model.vocab_size = 64
+    torch.manual_seed(0)
+    models = [GPT(cfg.model) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    initial = [p.detach().clone() for p in models[0].parameters()]
+    # eps 1: the update follows the gradient's scale, so clipping changes where the weights go
+    folded = torch.optim.AdamW(models[0].parameters(), lr=1e-2, eps=1.0, fused=True)
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, eps=1.0, foreach=True)
+    unclipped = torch.optim.AdamW(models[2].parameters(), lr=1e-2, eps=1.0, foreach=True)
+    assert _clip_folds_into_adamw(folded) and not _clip_folds_into_adamw(plain)
+    steps = [make_step(models[0], models[0], folded, None, nullcontext, 1, grad_clip),
+             make_step(models[1], models[1], plain, None, nullcontext, 1, grad_clip if grad_clip > 0 else 1e9),
+             make_step(models[2], models[2], unclipped, None, nullcontext, 1, 1e9)]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 64, (4, 16), generator=gen)
+        norms = [float(step(lambda k: (x, (3 * x + 1) % 64))[1]) for step in steps]
+        assert abs(norms[0] - norms[1]) <= 1e-4 * norms[1]
+    for p, q, p0 in zip(models[0].parameters(), models[1].parameters(), initial):
+        moved = (q - p0).norm().item()
+        assert moved > 0 and (p - q).norm().item() <= 1e-3 * moved
+    away = sum((q - r).norm().item() for q, r in zip(models[1].parameters(), models[2].parameters()))
+    moved = sum((r - p0).norm().item() for r, p0 in zip(models[2].parameters(), initial))
+    assert (away > 0.5 * moved) if grad_clip > 0 else away == 0   # clipping (norms ~1 against 0.05) mattered

@@ -99,7 +99,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0           # largest gradient norm (gradients scaled down to it); 0 = no clipping
     eval_every: int = 100            # evaluate every N steps (0 = only at the end)
     eval_batches: int = 10
     log_every: int = 10

@@ -96,12 +96,23 @@ def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, *,
                              betas=(cfg.train.beta1, cfg.train.beta2), **extra)
 
 
+def _clip_folds_into_adamw(optimizer) -> bool:
+    """Fused AdamW over plain tensors divides each gradient by its grad_scale tensor as it reads it, so
+    clipping costs only the norm, not a pass that reads and writes every gradient. (FSDP's DTensor
+    gradients take torch's clip_grad_norm_.)"""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return bool(optimizer.defaults.get("fused")) and all(type(p) is torch.nn.Parameter for p in params)
+
+
 def make_step(step_model, model, optimizer, fp8_state, autocast, grad_accum: int, grad_clip: float):
     """The optimizer step as a function step(batch) -> (mean loss, gradient norm), both device tensors.
 
     batch(k) gives micro-batch k as (inputs, targets). The eager loop and the CUDA graph capture run this same
     function, so a replayed step is the eager step's kernels. step_model: model, or its torch.compile wrapper.
+    grad_clip: the largest gradient norm (the gradients are scaled down to it); 0 or less: no clipping.
     """
+    fold_clip = _clip_folds_into_adamw(optimizer)
+
     def step(batch):
         loss_sum = None
         for k in range(grad_accum):
@@ -112,7 +123,12 @@ def make_step(step_model, model, optimizer, fp8_state, autocast, grad_accum: int
                 (loss / grad_accum).backward()
             part = loss.detach() / grad_accum
             loss_sum = part if loss_sum is None else loss_sum + part
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if grad_clip <= 0 or fold_clip:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            if grad_clip > 0:   # clip_grad_norm_'s factor min(1, grad_clip / (norm + 1e-6)), as a divisor
+                optimizer.grad_scale = torch.clamp((grad_norm + 1e-6) / grad_clip, min=1.0)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if fp8_state is not None:
