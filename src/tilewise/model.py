@@ -95,8 +95,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.up(x)
-        h = ops.swiglu(h) if self.kind == "swiglu" else ops.bias_gelu(h, self.up_bias)
-        return self.down(h)
+        if self.kind == "swiglu":
+            return self.down(ops.swiglu(h))
+        after_gelu = getattr(self.down, "after_gelu", None)   # an Fp8Linear: the GELU inside its FP8 input cast
+        return after_gelu(h, self.up_bias) if after_gelu else self.down(ops.bias_gelu(h, self.up_bias))
 
 
 class Block(nn.Module):

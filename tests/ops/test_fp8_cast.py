@@ -165,6 +165,32 @@ def test_column_sums(current, device):
     assert ((sums.double() - want).norm() / want.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gelu_cast_quantizes_the_activation_of_its_input(with_bias, device):
+    """gelu=True: the copies and the amax are of gelu_tanh(x + bias), from x (the pre-activation). Rows and
+    columns outside full tiles (gelu(bias) is not 0 there) stay out of the amax. Against float64 GELU, each
+    FP8 code is the nearest or next-nearest (the kernel's fp32 GELU may round differently at a tie)."""
+    from tilewise.ops.fp8_cast import cast_delayed, gelu_fp32
+    # 70 x 48: partial tiles both ways. x + bias stays within about +-0.3 where gelu(bias) alone is ~4
+    bias = (torch.rand(48, device=device) + 4.0) if with_bias else None
+    x = torch.randn(70, 48, device=device) * 0.1 - (bias if with_bias else 0.0)
+    x = x.to(torch.bfloat16)
+    scale = torch.tensor([20.0], device=device)
+    amax = torch.zeros(1, device=device)
+    with ops.use("triton"):
+        y, yt = cast_delayed(x, torch.float8_e4m3fn, scale, amax.view(torch.int32), True, True, gelu=True,
+                             gelu_bias=bias)
+    g = torch.nn.functional.gelu(x.double() + (bias.double() if with_bias else 0.0), approximate="tanh")
+    want = (g * 20.0).clamp(-448, 448)
+    got = y.double()
+    step = torch.where(want.abs() < 2 ** -6, torch.full_like(want, 2 ** -9), want.abs() * 2 ** -3)  # ~1 code
+    assert ((got - want).abs() <= step * 1.01).all()
+    assert torch.equal(bits(yt), bits(y.t().contiguous()))
+    assert amax.item() == pytest.approx(gelu_fp32(x, bias).abs().max().item(), rel=1e-6)
+    ref, _ = fp8_cast_reference(gelu_fp32(x, bias), torch.float8_e4m3fn, scale, transpose=True)
+    assert (bits(y) != bits(ref)).float().mean().item() < 0.01
+
+
 def test_rowwise_false_writes_only_transpose(device):
     x = torch.randn(48, 16, device=device)
     with ops.use("triton"):
@@ -361,7 +387,7 @@ target = GPUTarget("cuda", 90, 32)
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 types = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32", "scale_ptr": "*fp32",
          "scratch_ptr": "*fp32", "n_parts": "i32", "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32",
-         "inv_margin": "fp32", "ys_ptr": "*fp32", "yts_ptr": "*fp32", "numel": "i32"}
+         "inv_margin": "fp32", "ys_ptr": "*fp32", "yts_ptr": "*fp32", "numel": "i32", "gelu_bias_ptr": "*fp32"}
 
 def build(fn, consts, warps, **retype):
     sig, attrs = {}, {}
@@ -387,11 +413,12 @@ def build(fn, consts, warps, **retype):
 out = []
 common = dict(EXACT_ROUND=False)
 for bm, bn, warps in m._CAST_CONFIGS:
-    for current in (False, True):
-        consts = dict(CURRENT=current, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, EMIN=-6, MBITS=3,
+    for variant in (False, True, "gelu"):   # current scaling or not; "gelu": delayed, of gelu_tanh(x + bias)
+        consts = dict(CURRENT=variant is True, WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, GELU=variant == "gelu",
+                      GELU_BIAS=variant == "gelu", EMIN=-6, MBITS=3,
                       PARTS=m._PARTS, PARTS_AT=m._PARTS_AT, SCALE_INV_AT=m.SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn,
                       **common)
-        out.append(["cast", [bm, bn, warps], current, build(m._fp8_cast_kernel, consts, warps)])
+        out.append(["cast", [bm, bn, warps], variant, build(m._fp8_cast_kernel, consts, warps)])
 for x_ty, y_ty, emin, mbits in (("*bf16", "*fp8e4nv", -6, 3), ("*fp32", "*fp8e5", -14, 2)):
     for warps in m._BLOCK_WARPS_CONFIGS:
         consts = dict(WRITE_Y=True, WRITE_T=True, ACC_AMAX=True, EMIN=emin, MBITS=mbits,

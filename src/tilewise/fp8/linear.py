@@ -19,6 +19,9 @@ The weight is cast once per optimizer step: the copy (and the bias in the output
 (weight._version, data pointer, state generation), so a micro-batch reuses it, and Fp8State.step() or any
 in-place change of the weight (optimizer.step, load_state_dict) makes the next forward cast again. The layer
 saves x8t (1 byte per element) for backward instead of x.
+`after_gelu(h, b)` is the layer applied to bias_gelu(h, b) (the MLP's down projection): with delayed scaling
+the input's cast computes the GELU itself, so the activation is never written in 16 bits (a write and a read
+of it saved); it saves h for the GELU's backward, as bias_gelu would.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.activation import bias_gelu, bias_gelu_grad
 from ..ops.fp8_cast import BLOCK, SCALE_INV_OFFSET, block_dequantize_reference, cast_block, cast_current, cast_delayed
 from .recipe import Fp8Recipe, as_recipe
 from .state import Fp8State
@@ -56,21 +60,28 @@ def fp8_compatible(linear: nn.Linear, recipe: Fp8Recipe | str = "delayed") -> bo
 _X_ROLES, _W_ROLES, _DY_ROLES = ("a", "b"), ("b", "b"), ("a", "a")
 
 
-def _cast_per_tensor(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles):
-    """One inverse scale (a 16-byte aligned one-element view) serves both copies."""
+def _cast_per_tensor(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles, gelu=False,
+                     gelu_bias=None):
+    """One inverse scale (a 16-byte aligned one-element view) serves both copies. gelu: cast
+    bias_gelu(x2, gelu_bias), inside the cast with delayed scaling."""
     scale, scale_inv, amax_i32 = state.views(slot)
     if state.current or not state.warm:  # until the first step() fills the history, current scaling
+        if gelu:   # its amax pass reads the activation
+            x2 = bias_gelu(x2, gelu_bias)
         y, yt, scratch = cast_current(x2, state.dtypes[slot], scale, state.recipe.margin, amax_i32, rowwise,
                                       transpose, col_sums=col_sums, roles=roles)
         inv = scratch[SCALE_INV_OFFSET:SCALE_INV_OFFSET + 1]
         return y, inv, yt, inv
     y, yt = cast_delayed(x2, state.dtypes[slot], scale, amax_i32, rowwise, transpose, col_sums=col_sums,
-                         roles=roles)
+                         roles=roles, gelu=gelu, gelu_bias=gelu_bias)
     return y, scale_inv, yt, scale_inv
 
 
-def _cast_blockwise(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles):
+def _cast_blockwise(state: Fp8State, slot: int, x2, rowwise, transpose, col_sums, roles, gelu=False,
+                    gelu_bias=None):
     """Inverse scales per 1x128 segment, laid out for each copy's role (see tilewise.ops.fp8_cast)."""
+    if gelu:
+        x2 = bias_gelu(x2, gelu_bias)
     return cast_block(x2, state.dtypes[slot], state.views(slot)[2], rowwise, transpose, col_sums, roles)
 
 
@@ -131,32 +142,34 @@ def _gemm_blockwise(a, b, a_scales, b_scales, out_dtype, bias=None, fast_accum=F
 # ----------------------------------------------------------------------------------------------------
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, out_dtype, grad_enabled):
+    def forward(ctx, x, weight, bias, layer, out_dtype, grad_enabled, gelu, gelu_bias):
+        """gelu: x is the pre-activation h, and the layer's input is bias_gelu(h, gelu_bias)."""
         state, slot, cast, gemm = layer.fp8_state, layer.fp8_slot, layer._cast, layer._gemm
         K, N = layer.in_features, layer.out_features
-        x2 = x if x.dim() == 2 else x.reshape(-1, K)
+        x2 = h2 = x if x.dim() == 2 else x.reshape(-1, K)
         M = x2.shape[0]
         pad = -M % layer._row_multiple  # the weight-gradient GEMM contracts over rows
-        if pad:
+        if pad:   # (under gelu, the pad rows' gelu(bias) joins the amax; their dy rows are zero)
             x2 = F.pad(x2, (0, 0, 0, pad))
         # needs_input_grad ignores no_grad mode: without grad the transposed copies are not made
-        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dx = grad_enabled and (ctx.needs_input_grad[0] or (gelu and ctx.needs_input_grad[7]))
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         w8, w_s, w8t, w_ts = layer._weight_fp8(need_t=need_dx)
-        x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw, None, _X_ROLES)
+        x8, x_s, x8t, x_ts = cast(state, slot, x2, True, need_dw, None, _X_ROLES, gelu, gelu_bias)
         y = gemm(x8, w8, x_s, w_s, out_dtype, layer._bias_as(out_dtype), layer._fast_forward)
         if pad:
             y = y[:M]
-        ctx.save_for_backward(x8t, x_ts, w8t, w_ts)
+        ctx.save_for_backward(x8t, x_ts, w8t, w_ts, *((h2, gelu_bias) if gelu and need_dx else ()))
         ctx.layer, ctx.M, ctx.pad, ctx.x_shape, ctx.x_dtype = layer, M, pad, x.shape, x.dtype
-        ctx.w_dtype = weight.dtype
+        ctx.w_dtype, ctx.gelu = weight.dtype, gelu
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, x_ts, w8t, w_ts = ctx.saved_tensors
+        x8t, x_ts, w8t, w_ts, *gelu_saved = ctx.saved_tensors
         layer = ctx.layer
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_dx = need_dx or (ctx.gelu and ctx.needs_input_grad[7])
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         if ctx.pad:
             dy2 = F.pad(dy2, (0, 0, 0, ctx.pad))
@@ -171,6 +184,9 @@ class _Fp8LinearFn(torch.autograd.Function):
                 dx = layer._gemm(dy8, w8t, dy_s, w_ts, ctx.x_dtype)
                 if ctx.pad:
                     dx = dx[:ctx.M]
+                if ctx.gelu:   # dx is the gradient of the GELU's output: through the GELU to h and its bias
+                    h2, gelu_bias = gelu_saved
+                    dx, d_gelu_bias = bias_gelu_grad(dx, h2, gelu_bias)
                 dx = dx if len(ctx.x_shape) == 2 else dx.reshape(ctx.x_shape)
             if need_dw:
                 dw = layer._gemm(dy8t, x8t, dy_ts, x_ts, ctx.w_dtype)
@@ -178,7 +194,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 db = sums.to(layer.bias.dtype)
         elif want_db:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, (d_gelu_bias if ctx.gelu and need_dx else None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -265,20 +281,34 @@ class Fp8Linear(nn.Linear):
             c = self.__dict__["_b_cache"] = (key, b.detach().to(dtype))
         return c[1]
 
-    @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _out_dtype(self, x: torch.Tensor, what: str = "input") -> torch.dtype:
+        """Checks x; the output dtype (under autocast the autocast dtype: nothing inside is on its lists)."""
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"Fp8Linear: input's last dim is {x.shape[-1]}; expected in_features={self.in_features}")
+            raise ValueError(f"Fp8Linear: {what}'s last dim is {x.shape[-1]}; expected in_features={self.in_features}")
         if x.dtype not in _DTYPES:
-            raise TypeError(f"Fp8Linear: input dtype {x.dtype}; expected bf16, fp16 or fp32")
+            raise TypeError(f"Fp8Linear: {what} dtype {x.dtype}; expected bf16, fp16 or fp32")
         if x.device != self.weight.device:
-            raise ValueError(f"Fp8Linear: input on {x.device}, weight on {self.weight.device}")
+            raise ValueError(f"Fp8Linear: {what} on {x.device}, weight on {self.weight.device}")
         if x.device != self.fp8_state.device:
             self.fp8_state.to(x.device)
-        # Under autocast the output takes the autocast dtype; nothing inside is on autocast's lists.
         dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return _Fp8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fp8LinearFn.apply(x, self.weight, self.bias, self, self._out_dtype(x), torch.is_grad_enabled(),
+                                  False, None)
+
+    @torch.compiler.disable
+    def after_gelu(self, h: torch.Tensor, gelu_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """self(ops.bias_gelu(h, gelu_bias)), the GELU computed inside the input's FP8 cast (see the module
+        docstring); gradients reach h and gelu_bias as through bias_gelu."""
+        out_dtype = self._out_dtype(h, "pre-activation")
+        if gelu_bias is not None and (gelu_bias.shape != (self.in_features,) or gelu_bias.device != h.device):
+            raise ValueError(f"Fp8Linear.after_gelu: gelu_bias is {tuple(gelu_bias.shape)} on {gelu_bias.device}; "
+                             f"expected ({self.in_features},) on {h.device}")
+        return _Fp8LinearFn.apply(h, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled(), True,
+                                  gelu_bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", recipe={self.fp8_state.recipe.scaling}/{self.fp8_state.recipe.formats}"

@@ -27,6 +27,12 @@ from .norm import launch_programs, programs_per_wave, sum_partials
 
 
 @triton.jit
+def gelu_tanh(u):
+    """gelu_tanh(u) = u * sigmoid(2 sqrt(2/pi) (u + 0.044715 u^3)), in fp32 (also the FP8 cast's fused GELU)."""
+    return u * tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u * u * u))     # 2 sqrt(2/pi) = 1.59576...
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,8 +42,7 @@ def _bias_gelu_fwd_kernel(X, B, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.con
     u = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         u += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = u * tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u * u * u))     # 2 sqrt(2/pi) = 1.59576...
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, gelu_tanh(u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -319,6 +324,21 @@ def bias_gelu(x, bias=None):
     if use_triton(x) and x.dtype != torch.float64 and (bias is None or bias.dtype != torch.float64):
         return BiasGelu.apply(x, bias)
     return bias_gelu_reference(x, bias)
+
+
+def bias_gelu_grad(dy, x, bias=None):
+    """(dx, dbias) of y = bias_gelu(x, bias) given dy: the kernel's backward (dbias None without a bias), for
+    callers that fuse the forward elsewhere (Fp8Linear.after_gelu casts the GELU's output to FP8 itself)."""
+    if use_triton(x) and x.dtype != torch.float64:
+        x2 = _rows(x)
+        dx, db = _bias_gelu_backward(_rows(dy), x2, None if bias is None else bias.contiguous())
+        return _shaped(dx, x.shape), db
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(True)
+        br = bias.detach().requires_grad_(True) if bias is not None else None
+        y = bias_gelu_reference(xr, br)
+        grads = torch.autograd.grad(y, [xr] + ([br] if br is not None else []), dy)
+    return grads[0], (grads[1] if br is not None else None)
 
 
 def swiglu(gate_up):

@@ -41,11 +41,13 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.compiler.errors
 import triton.language as tl
 import triton.runtime.errors
 
+from .activation import gelu_tanh
 from .dispatch import use_triton
 from .launch import FastLauncher, cdiv
 
@@ -119,15 +121,16 @@ def _saturate_to_fp8(v, like_ptr, fp8_max, EXACT_ROUND: tl.constexpr, EMIN: tl.c
 
 
 @triton.jit
-def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr,
+def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, gelu_bias_ptr,
                      fp8_max, inv_margin,
                      CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
-                     ACC_AMAX: tl.constexpr, EXACT_ROUND: tl.constexpr,
+                     ACC_AMAX: tl.constexpr, GELU: tl.constexpr, GELU_BIAS: tl.constexpr, EXACT_ROUND: tl.constexpr,
                      EMIN: tl.constexpr, MBITS: tl.constexpr, PARTS: tl.constexpr,
                      PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-tensor cast of one tile. CURRENT: the scale comes from the amax partials in scratch, and
-    program (0, 0) publishes [scale, 1/scale] there and folds the amax into amax_acc."""
+    program (0, 0) publishes [scale, 1/scale] there and folds the amax into amax_acc. GELU: x is a
+    pre-activation; the tile cast (and its amax) is gelu_tanh(x + gelu_bias) (never written in 16 bits)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if CURRENT:
@@ -152,6 +155,10 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        if GELU_BIAS:
+            x += tl.load(gelu_bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(mask, gelu_tanh(x), 0.0)   # outside x, gelu(bias) must not reach the amax
     y = _saturate_to_fp8(x * scale, yt_ptr, fp8_max, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
     if WRITE_Y:
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
@@ -232,14 +239,14 @@ _amax_launcher = FastLauncher(_amax_partials_kernel)
 _PLANS: dict = {}
 
 
-def _cast_plan(current, write_y, write_t, acc_amax, fp8_dtype, tile):
-    key = ("cast", current, write_y, write_t, acc_amax, fp8_dtype, tile)
+def _cast_plan(current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu=False, gelu_bias=False):
+    key = ("cast", current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu, gelu_bias)
     plan = _PLANS.get(key)
     if plan is None:
         emin, mbits = _FP8_GRID[fp8_dtype]
         bm, bn, warps = tile
         plan = _PLANS[key] = _cast_launcher.bind(
-            CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax,
+            CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, GELU=gelu, GELU_BIAS=gelu_bias,
             EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
             SCALE_INV_AT=SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return plan
@@ -328,12 +335,13 @@ def cast_tiles(x, y, yt) -> tuple:
 
 
 def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtype, margin, current,
-                 tiles=None) -> bool:
+                 tiles=None, gelu=False, gelu_bias=None) -> bool:
     """One per-tensor cast pass; False when it does not compile here (the caller takes the reference).
 
     scratch, n_parts: current scaling's buffer and how many amax partials _launch_amax wrote in it.
     tiles: ((BLOCK_M, BLOCK_N, num_warps), ...), each run in turn on the same buffers (a rerun must leave
-    the same result: the tests check it); default cast_tiles().
+    the same result: the tests check it); default cast_tiles(). gelu: cast gelu_tanh(x + gelu_bias) instead
+    (delayed scaling: the amax pass of current scaling reads x itself).
     """
     M, N = x.shape
     if M * N > _MAX_ELEMENTS:
@@ -343,7 +351,9 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
     scratch = scratch if scratch is not None else scale
     amax_arg = amax_i32 if acc else scale.view(torch.int32)   # a stand-in when ACC_AMAX is off (never written)
     # a copy not asked for gets the other's pointer (never written: its WRITE_* is off)
-    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts, amax_arg)
+    has_bias = gelu_bias is not None
+    gb = gelu_bias if has_bias else scale                     # a stand-in when there is none (never read)
+    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts, amax_arg, gb)
     tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
     split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES
 
@@ -351,16 +361,16 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
         for tile in tiles:
             grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
             if split:  # the row-major copy with the amax, then the transposed copy alone
-                _cast_plan(current, True, False, acc, fp8_dtype, tile)(
-                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, *tail)
-                _cast_plan(current, False, True, False, fp8_dtype, tile)(
-                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, *tail)
+                _cast_plan(current, True, False, acc, fp8_dtype, tile, gelu, has_bias)(
+                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, gb, *tail)
+                _cast_plan(current, False, True, False, fp8_dtype, tile, gelu, has_bias)(
+                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, gb, *tail)
             else:
-                _cast_plan(current, write_y, write_t, acc, fp8_dtype, tile)(grid, *args, *tail)
+                _cast_plan(current, write_y, write_t, acc, fp8_dtype, tile, gelu, has_bias)(grid, *args, *tail)
 
-    key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles)
+    key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles, gelu, has_bias)
     name = lambda: (f"_fp8_cast_kernel(CURRENT={current}, WRITE_Y={write_y}, WRITE_T={write_t}, ACC_AMAX={acc}, "
-                    f"tiles={tiles})")
+                    f"GELU={gelu}, tiles={tiles})")
     return _with_col_sums(x, col_sums, key, name, launch)
 
 
@@ -536,13 +546,22 @@ def _alloc(x, fp8_dtype, rowwise, transpose, out=None, out_t=None, roles=(None, 
     return y, yt
 
 
+def gelu_fp32(x, bias=None):
+    """gelu_tanh(x + bias) in float32: what a cast with gelu=True quantizes."""
+    return F.gelu(x.float() + bias.float() if bias is not None else x.float(), approximate="tanh")
+
+
 def cast_delayed(x, fp8_dtype, scale, amax_i32, rowwise, transpose, out=None, out_t=None, col_sums=None,
-                 roles=(None, None)):
-    """(y, y_t) scaled by scale, laid out for roles; see fp8_cast."""
+                 roles=(None, None), gelu=False, gelu_bias=None):
+    """(y, y_t) scaled by scale, laid out for roles; see fp8_cast. gelu: x is a pre-activation, and the
+    copies (and the amax) are of gelu_fp32(x, gelu_bias), from one read of x."""
     y, yt = _alloc(x, fp8_dtype, rowwise, transpose, out, out_t, roles)
     if use_triton(x) and x.numel() > 0 and _launch_cast(
-            x.contiguous(), y, yt, scale, None, 0, amax_i32, col_sums, fp8_dtype, 0, current=False):
+            x.contiguous(), y, yt, scale, None, 0, amax_i32, col_sums, fp8_dtype, 0, current=False, gelu=gelu,
+            gelu_bias=gelu_bias.contiguous() if gelu_bias is not None else None):
         return y, yt
+    if gelu:
+        x = gelu_fp32(x, gelu_bias)
     fp8_cast_reference(x, fp8_dtype, scale, amax=amax_i32.view(torch.float32) if amax_i32 is not None else None,
                        rowwise=rowwise, transpose=transpose, out=_rowmajor(y, roles[0]),
                        out_t=_rowmajor(yt, roles[1]), col_sums=col_sums)
