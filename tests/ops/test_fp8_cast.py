@@ -149,10 +149,13 @@ def test_current_scaling_falls_back_on_bad_amax(bad, device):
     assert torch.equal(scales, torch.tensor([5.0, 0.2], device=device))
 
 
+@pytest.mark.parametrize("programs", [1024, 2, 5])
 @pytest.mark.parametrize("current", [False, True])
-def test_column_sums(current, device):
-    """col_sums gets x.sum(0) in fp32 (the bias gradient of dy)."""
-    M, N = 100, 40  # 100 rows: four row blocks of the interpreter's 32, the last one partial
+def test_column_sums(current, programs, device, monkeypatch):
+    """col_sums gets x.sum(0) in fp32 (the bias gradient of dy). With few programs each one adds up several row
+    tiles (2: one program a column block, 7 row tiles; 5: two a column block, 4 and 3 row tiles)."""
+    monkeypatch.setattr(fp8_cast_module, "_COL_SUMS_PROGRAMS", programs)
+    M, N = 100, 40  # the interpreter's 16 x 32 tiles: 7 row tiles, the last partial; 2 column blocks
     x = torch.randn(M, N, device=device, dtype=torch.bfloat16)
     sums = torch.full((N,), float("nan"), device=device)
     one = torch.ones(1, device=device)
@@ -387,7 +390,8 @@ target = GPUTarget("cuda", 90, 32)
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 types = {"x_ptr": "*bf16", "y_ptr": "*fp8e4nv", "yt_ptr": "*fp8e4nv", "M": "i32", "N": "i32", "scale_ptr": "*fp32",
          "scratch_ptr": "*fp32", "n_parts": "i32", "amax_acc_ptr": "*i32", "colsum_ptr": "*fp32", "fp8_max": "fp32",
-         "inv_margin": "fp32", "ys_ptr": "*fp32", "yts_ptr": "*fp32", "numel": "i32", "gelu_bias_ptr": "*fp32"}
+         "inv_margin": "fp32", "ys_ptr": "*fp32", "yts_ptr": "*fp32", "numel": "i32", "gelu_bias_ptr": "*fp32",
+         "part_ptr": "*fp32", "tiles_per_program": "i32"}
 
 def build(fn, consts, warps, **retype):
     sig, attrs = {}, {}
@@ -426,6 +430,9 @@ for x_ty, y_ty, emin, mbits in (("*bf16", "*fp8e4nv", -6, 3), ("*fp32", "*fp8e5"
         out.append(["block", warps, x_ty, build(m._fp8_block_cast_kernel, consts, warps, x_ptr=x_ty, y_ptr=y_ty,
                                                 yt_ptr=y_ty)])
 out.append(["amax", 8, None, build(m._amax_partials_kernel, {"PARTS_AT": m._PARTS_AT, "BLOCK_E": 4096}, 8)])
+bm, bn, warps = m._COL_SUMS_TILE
+out.append(["col_sums", warps, None, build(m._col_sums_kernel, {"BLOCK_M": bm, "BLOCK_N": bn, "NUM_STAGES": 3}, warps,
+                                           x_ptr="*bf16")])
 print("compiled", triton.__version__)
 print(json.dumps(out))
 """
@@ -450,7 +457,7 @@ def test_kernels_compile_for_hopper_and_defaults_do_not_spill():
     defaults = [list(t) for t in fp8_cast_module._TILES.values()]
     for kind, cfg, variant, got in builds:
         if (kind == "cast" and cfg in defaults) or (kind == "block" and cfg == fp8_cast_module._BLOCK_WARPS) \
-                or kind == "amax":
+                or kind in ("amax", "col_sums"):
             assert got["spills"] == 0, f"{kind} {cfg} {variant}: {got['spills']} local loads/stores (spills)"
         if kind == "cast" and cfg == list(fp8_cast_module._TILES["t"]):
             assert got["regs"] * cfg[2] * 32 * 4 <= 65536, f"{cfg}: {got['regs']} registers a thread"

@@ -25,10 +25,11 @@ and a kernel that writes only the transposed copy is correct with either. So a f
 weight, cast once per optimizer step) takes two passes, the row-major copy and then the transposed one; the
 gpu tests compare every copy bitwise against torch's cast for each input dtype and tile, and
 bench/fp8_transpose_probe.py tells whether a Triton upgrade makes the split unnecessary.
-Column sums: one torch.sum after the cast, a second read of the tensor. Fused into the cast kernels (per
-32-row partials that a torch.sum reduced) they cost more than that read: the sum across a tile's rows
-takes shuffles and barriers on every tile, and the dy cast ran at 0.25-0.30 of copy bandwidth on the H200
-against 0.81-0.84 without them (bench/fp8.py at e387e02).
+Column sums: a pass of their own after the cast, a second read of the tensor, each program adding up many
+row tiles elementwise before one reduction across its rows. Fused into the cast kernels (per 32-row partials)
+they cost more than that read: the sum across a tile's rows takes shuffles and barriers on every tile, and
+the dy cast ran at 0.25-0.30 of copy bandwidth on the H200 against 0.81-0.84 without them (bench/fp8.py at
+e387e02). torch.sum in their place ran at about 1 TB/s on 768 columns (aad900b).
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
 every new shape and cannot run inside a CUDA graph capture. `bench/fp8.py --sweep` times the candidates
 (_CAST_CONFIGS) on the GPU. A kernel variant that does not compile on the machine at hand falls back to a
@@ -86,6 +87,24 @@ def _amax_partials_kernel(x_ptr, numel, scratch_ptr, PARTS_AT: tl.constexpr, BLO
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, _abs_bits(x))
     tl.store(scratch_ptr + PARTS_AT + pid, tl.max(acc, axis=0).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _col_sums_kernel(x_ptr, part_ptr, M, N, tiles_per_program, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    """Program (n, r) sums row tiles r * tiles_per_program ... of column block n elementwise in fp32 and writes
+    one partial row, part[r]: one cross-warp reduction a program, not one a tile."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    first = tl.program_id(1) * tiles_per_program
+    last = tl.minimum(first + tiles_per_program, tl.cdiv(M, BLOCK_M))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for tile in tl.range(first, last, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0,
+                       eviction_policy="evict_first").to(tl.float32)
+    tl.store(part_ptr + tl.program_id(1).to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -234,6 +253,7 @@ def _on_gpu(x) -> bool:
 _cast_launcher = FastLauncher(_fp8_cast_kernel)
 _block_launcher = FastLauncher(_fp8_block_cast_kernel)
 _amax_launcher = FastLauncher(_amax_partials_kernel)
+_col_sums_launcher = FastLauncher(_col_sums_kernel)
 # Launch plans: the kernel's launcher bound to one set of constexprs and options, made once per key (binding
 # and hashing the keywords on every call would cost as much host time as the launch itself).
 _PLANS: dict = {}
@@ -318,12 +338,35 @@ def _launch_amax(x, scratch) -> int:
     return parts
 
 
+_COL_SUMS_TILE = (32, 128, 4)   # rows, columns, warps: 32 fp32 accumulators a thread
+_COL_SUMS_PROGRAMS = 1024       # about: enough resident programs (and loads in flight) to fill an H200
+
+
+def _column_sums(x, col_sums) -> None:
+    """col_sums = x.sum(0) in fp32: partial rows from _col_sums_kernel, then one torch.sum over them."""
+    M, N = x.shape
+    bm, bn, warps = _COL_SUMS_TILE if _on_gpu(x) else (16, 32, 4)
+    tiles, n_col = cdiv(M, bm), cdiv(N, bn)
+    parts = max(1, min(tiles, _COL_SUMS_PROGRAMS // n_col))
+    per = cdiv(tiles, parts)
+    parts = cdiv(tiles, per)   # every program gets at least one tile, so every partial row is written
+    part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
+    if _compiled(("col_sums",), lambda: "_col_sums_kernel", lambda: _col_sums_launcher(
+            (n_col, parts), x, part, M, N, per, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=3, num_warps=warps,
+            num_stages=3)):
+        torch.sum(part, dim=0, out=col_sums)
+    else:
+        torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
+
+
 def _with_col_sums(x, col_sums, key, name, launch) -> bool:
-    """launch() (False when it does not compile here), then the column sums, if asked for, by one torch.sum."""
+    """launch() (False when it does not compile here), then the column sums, if asked for."""
     if not _compiled(key, name, launch):
         return False
-    if col_sums is not None:
-        torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
+    if col_sums is not None and x.shape[0] > 0:
+        _column_sums(x, col_sums)
+    elif col_sums is not None:
+        col_sums.zero_()
     return True
 
 
