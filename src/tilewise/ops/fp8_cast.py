@@ -51,6 +51,7 @@ import triton.runtime.errors
 from .activation import gelu_tanh
 from .dispatch import use_triton
 from .launch import FastLauncher, cdiv
+from .norm import sum_partials
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Smallest normal exponent and mantissa bits, for rounding onto the FP8 grid (interpreter only, below).
@@ -340,21 +341,23 @@ def _launch_amax(x, scratch) -> int:
 
 _COL_SUMS_TILE = (32, 128, 4)   # rows, columns, warps: 32 fp32 accumulators a thread
 _COL_SUMS_PROGRAMS = 1024       # about: enough resident programs (and loads in flight) to fill an H200
+_col_sums_gpu = _col_sums_launcher.bind(BLOCK_M=_COL_SUMS_TILE[0], BLOCK_N=_COL_SUMS_TILE[1], NUM_STAGES=3,
+                                        num_warps=_COL_SUMS_TILE[2], num_stages=3)
+_col_sums_interpreted = _col_sums_launcher.bind(BLOCK_M=16, BLOCK_N=32, NUM_STAGES=3, num_warps=4, num_stages=3)
 
 
 def _column_sums(x, col_sums) -> None:
-    """col_sums = x.sum(0) in fp32: partial rows from _col_sums_kernel, then one torch.sum over them."""
+    """col_sums = x.sum(0) in fp32: partial rows from _col_sums_kernel, summed by norm's second stage."""
     M, N = x.shape
-    bm, bn, warps = _COL_SUMS_TILE if _on_gpu(x) else (16, 32, 4)
+    on_gpu = _on_gpu(x)
+    bm, bn = _COL_SUMS_TILE[:2] if on_gpu else (16, 32)
     tiles, n_col = cdiv(M, bm), cdiv(N, bn)
-    parts = max(1, min(tiles, _COL_SUMS_PROGRAMS // n_col))
-    per = cdiv(tiles, parts)
+    per = cdiv(tiles, max(1, min(tiles, _COL_SUMS_PROGRAMS // n_col)))
     parts = cdiv(tiles, per)   # every program gets at least one tile, so every partial row is written
     part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
-    if _compiled(("col_sums",), lambda: "_col_sums_kernel", lambda: _col_sums_launcher(
-            (n_col, parts), x, part, M, N, per, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=3, num_warps=warps,
-            num_stages=3)):
-        torch.sum(part, dim=0, out=col_sums)
+    launch = _col_sums_gpu if on_gpu else _col_sums_interpreted
+    if _compiled(("col_sums",), lambda: "_col_sums_kernel", lambda: launch((n_col, parts), x, part, M, N, per)):
+        sum_partials(part, parts, col_sums)
     else:
         torch.sum(x, dim=0, dtype=torch.float32, out=col_sums)
 
@@ -363,10 +366,8 @@ def _with_col_sums(x, col_sums, key, name, launch) -> bool:
     """launch() (False when it does not compile here), then the column sums, if asked for."""
     if not _compiled(key, name, launch):
         return False
-    if col_sums is not None and x.shape[0] > 0:
+    if col_sums is not None:   # x has rows: the callers cast only non-empty tensors
         _column_sums(x, col_sums)
-    elif col_sums is not None:
-        col_sums.zero_()
     return True
 
 
