@@ -64,10 +64,6 @@ SWEEP = {
                 (128, 64, 4, 3)],
            128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3),
                  (128, 32, 4, 4), (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2)]},
-    "dkdvq": {64: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 3),
-                   (64, 64, 4, 3), (32, 64, 4, 2)],
-              128: [(64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2),
-                    (64, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 3)]},
 }
 
 
@@ -117,15 +113,11 @@ class _Env:
                 os.environ[k] = v
 
 
-def providers(torch, F, sweep=False):
+def providers(torch, F):
     """name -> (fn(q, k, v, causal) on (B, N, H, D) tensors, env) or a string saying why it is missing."""
     from tilewise.ops import flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {})}
     found["tilewise_ptr"] = (found["tilewise"][0], _env("ptr"))
-    # The deterministic backward: dQ by its own kernel instead of the fused pass's float32 atomics.
-    found["tilewise_det"] = (lambda q, k, v, c: flash_attention(q, k, v, causal=c, deterministic=True), {})
-    if sweep:  # the fused pass with pointer atomics instead of TMA reduces
-        found["tilewise_atomic"] = (found["tilewise"][0], {"TILEWISE_ATTN_DQ": "atomic"})
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError as e:
@@ -265,7 +257,7 @@ def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_
             row["notes"] = notes
         rows.append(row)
         # Details stay out of the rows (the README table shows every row key): host time, tuning.
-        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq", "dkdvq")
+        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq")
         details.append({"shape": row["shape"], "host_us": {n: h[direction] for n, h in host.items()},
                         "tuning": {kern: tuned[kern] for kern in kernels if tuned.get(kern)}})
     return rows
@@ -564,7 +556,7 @@ def main(argv=None):
         for kern, classes in SWEEP.items():
             for head_dim, configs in classes.items():
                 attn.set_candidates(kern, configs, head_dim)
-    provs = providers(torch, F, args.sweep)
+    provs = providers(torch, F)
     shapes = QUICK_SHAPES if args.quick else ALL_SHAPES
     if args.shapes:
         shapes = [ALL_SHAPES[int(i)] for i in args.shapes.split(",")]

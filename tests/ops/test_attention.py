@@ -38,14 +38,6 @@ def tma(monkeypatch):
     return select
 
 
-@pytest.fixture(params=["atomic", "split"])
-def dq_path(request, monkeypatch):
-    """The backward's dQ: added by the dK/dV kernel (float32 atomics; a TMA reduce on the GPU's descriptor
-    path) or its own kernel (deterministic)."""
-    monkeypatch.setenv("TILEWISE_ATTN_DQ", request.param)
-    return request.param
-
-
 # ------------------------------------------------------------------------------------------ helpers
 
 def _rand(*shape, dtype, device):
@@ -148,7 +140,7 @@ def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16, device="cpu"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_backward(dtype, causal, device, tma, dq_path):
+def test_forward_backward(dtype, causal, device, tma):
     tma("ptr")
     check(*qkv(2, 37, 37, 2, 2, 32, dtype, device), causal=causal)
 
@@ -161,14 +153,14 @@ def test_seqlen_q_differs_from_seqlen_k(sq, sk, causal, device, tma):
 
 
 @pytest.mark.parametrize("seqlen", [1, 17, 100])
-def test_odd_lengths(seqlen, device, tma, dq_path):
+def test_odd_lengths(seqlen, device, tma):
     tma("ptr")
     check(*qkv(1, seqlen, seqlen, 2, 2, 16, device=device), causal=True)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gqa_and_mqa(hq, hkv, causal, device, tma, dq_path):
+def test_gqa_and_mqa(hq, hkv, causal, device, tma):
     tma("ptr")
     check(*qkv(2, 23, 29, hq, hkv, 16, device=device), causal=causal)
 
@@ -181,7 +173,7 @@ def test_head_dims(head_dim, device, tma):
 
 @pytest.mark.parametrize("causal,window", [(False, (3, -1)), (False, (-1, 2)), (False, (4, 1)), (False, (0, 0)),
                                            (True, (5, -1)), (True, (6, 3)), (False, (2, 40))])
-def test_sliding_window(causal, window, device, tma, dq_path):
+def test_sliding_window(causal, window, device, tma):
     tma("ptr")
     check(*qkv(1, 45, 41, 2, 1, 16, device=device), causal=causal, window=window)
 
@@ -196,7 +188,7 @@ def test_softmax_scale(scale, device, tma):
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (4, 2))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen(causal, window, dtype, device, tma, dq_path):
+def test_varlen(causal, window, dtype, device, tma):
     tma("ptr")
     cu = torch.tensor([0, 1, 18, 18, 50, 51, 83], dtype=torch.int32, device=device)  # lengths 1, 17, 0, 32, 1, 32
     q, k, v = (_rand(83, h, 16, dtype=dtype, device=device) for h in (4, 2, 2))
@@ -244,8 +236,7 @@ def test_autograd_function_matches_the_custom_op(device, tma):
     scale = 1.0 / math.sqrt(16)
     with ops.use("triton"):
         a, lse_a = _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)
-    b, lse_b = _grads(lambda *t: torch.ops.tilewise.flash_attn_fwd(*t, None, 0, scale, -1, 0, False), (q, k, v),
-                      dout)
+    b, lse_b = _grads(lambda *t: torch.ops.tilewise.flash_attn_fwd(*t, None, 0, scale, -1, 0), (q, k, v), dout)
     for x, y in zip(a + [lse_a], b + [lse_b]):
         assert torch.equal(x, y)
 
@@ -327,9 +318,9 @@ def test_opcheck(device, tma):
     """Schema, fake (meta) implementations, autograd registration and AOT dispatch of both custom ops."""
     tma("ptr")
     q, k, v = (t.requires_grad_() for t in qkv(1, 9, 9, 2, 1, 16, dtype=torch.float32, device=device))
-    torch.library.opcheck(torch.ops.tilewise.flash_attn_fwd.default, (q, k, v, None, 0, 0.25, -1, 0, False))
+    torch.library.opcheck(torch.ops.tilewise.flash_attn_fwd.default, (q, k, v, None, 0, 0.25, -1, 0))
     out, lse = attn._attn_forward(q.detach(), k.detach(), v.detach(), None, 0, 0.25, -1, 0)
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0.25, -1, 0, False)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0.25, -1, 0)
     torch.library.opcheck(torch.ops.tilewise.flash_attn_bwd.default, args)
 
 
@@ -360,9 +351,6 @@ def test_config_tables(monkeypatch):
     monkeypatch.delenv("TILEWISE_ATTN_CONFIGS", raising=False)
     for kern in attn._KERNELS:
         for block_d, cls in ((16, 64), (64, 64), (128, 128), (256, 256)):
-            if cls not in attn.CONFIGS[kern.name]:  # the fused backward stops at head_dim 128
-                assert kern is attn._DKDVQ and cls == 256
-                continue
             table = attn.CONFIGS[kern.name][cls]
             for use_tma, path in ((False, "ptr"), (True, "tma")):
                 got = kern.candidates(block_d, use_tma)
@@ -437,37 +425,7 @@ def test_config_choice_times_skips_and_caches(fake_gpu):
     _launch(kern, "off")  # the key is known: one launch, nothing timed
     assert [x[0] for x in fake.launches] == [(32, 32, 4, 2)] and timed == []
     report = attn.tuning_report()
-    assert set(report) == {"fwd", "dkdv", "dq", "dkdvq"}
-
-
-def test_which_backward_computes_dq(monkeypatch):
-    """The fused backward (float32 atomics) by default; its own kernel when asked for determinism, past
-    head_dim 128, or when the float32 dQ would be large; a bad TILEWISE_ATTN_DQ names itself."""
-    monkeypatch.setattr(attn, "_INTERPRET", False)
-    monkeypatch.delenv("TILEWISE_ATTN_DQ", raising=False)
-    small, wide = torch.empty(2, 64, 4, 128, device="meta"), torch.empty(2, 64, 4, 256, device="meta")
-    assert attn._dq_atomic(False, small) == 2 and attn._dq_atomic(True, small) == 0
-    assert attn._dq_atomic(False, wide) == 0
-    assert attn._dq_atomic(False, torch.empty(1, 131072, 16, 128, device="meta")) == 0  # 1 GiB of float32
-    monkeypatch.setenv("TILEWISE_ATTN_DQ", "atomic")
-    assert attn._dq_atomic(False, small) == 1
-    monkeypatch.setenv("TILEWISE_ATTN_DQ", "sometimes")
-    with pytest.raises(ValueError, match="TILEWISE_ATTN_DQ"):
-        attn._dq_atomic(False, small)
-
-
-def test_timing_an_accumulating_kernel_resets_before_the_real_launch(fake_gpu):
-    """The fused backward adds into dQ: timing launches every candidate many times, so `reset` clears the
-    sums before the launch whose result is kept (and only then: a known key launches once)."""
-    fake, kern, timed = fake_gpu
-    sums = []
-    def run():
-        attn._run(kern, "off", ("acc",), 3, lambda bm, bn, nb: (1, 2, nb), lambda bm, bn, t, b0: ("x", b0),
-                  {"BLOCK_D": 64}, reset=lambda: sums.append(len(fake.launches)))
-    run()
-    assert len(timed) == 3 and sums == [len(fake.launches) - 1]  # cleared just before the last launch
-    run()
-    assert sums == [len(fake.launches) - 2]  # a known key: no reset
+    assert set(report) == {"fwd", "dkdv", "dq"}
 
 
 def test_config_choice_untimed_takes_the_first_that_compiles(fake_gpu, monkeypatch):
@@ -564,11 +522,9 @@ def test_devices_differ_raises():
 # Few distinct (head_dim, mask, load path) keys: each compiles three kernels.
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq", ["reduce", "atomic", "split"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_real_size(causal, dq, tma, monkeypatch):
+def test_gpu_real_size(causal, tma):
     tma("tma")
-    monkeypatch.setenv("TILEWISE_ATTN_DQ", dq)
     check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
 
 
@@ -588,10 +544,8 @@ def test_gpu_seqlens_differ_and_window(tma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq", ["reduce", "split"])
-def test_gpu_varlen_fused_qkv(dq, tma, monkeypatch):
+def test_gpu_varlen_fused_qkv(tma):
     tma("tma")
-    monkeypatch.setenv("TILEWISE_ATTN_DQ", dq)
     lengths = [1, 777, 2048, 1000, 3, 270]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     fused = _rand(sum(lengths), 16 + 4 + 4, 128, dtype=torch.bfloat16, device="cuda")
@@ -623,8 +577,7 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(path, tma):
     tma(path)
     q, k, v = qkv(2, 1500, 1500, 16, 4, 128, device="cuda")
     dout = torch.randn_like(q)
-    run = lambda: _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True, deterministic=True),  # noqa: E731
-                         (q, k, v), dout)
+    run = lambda: _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)  # noqa: E731
     with launch.normal_launches():
         normal = run()
     before = attn._FWD.launcher.fast_launches
@@ -666,7 +619,7 @@ def test_gpu_torch_compile_inductor(tma):
     tma("tma")
     q, k, v = qkv(2, 1024, 1024, 16, 16, 128, device="cuda")
     dout = torch.randn_like(q)
-    fn = lambda *t: flash_attention(*t, causal=True, deterministic=True)  # noqa: E731
+    fn = lambda *t: flash_attention(*t, causal=True)  # noqa: E731
     got, _ = _grads(torch.compile(fn, fullgraph=True), (q, k, v), dout)
     want, _ = _grads(fn, (q, k, v), dout)
     for a, b in zip(got, want):

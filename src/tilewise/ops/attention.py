@@ -356,15 +356,13 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, dqa_ptrs, desc_q, desc_do, desc_dqa, q_row, q_col, lse2_ptr,
-               delta_ptr, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
-               softmax_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-               DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
+def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse2_ptr, delta_ptr,
+               start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """One query block's share of dK, dV, in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
-    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q. With DQ_ATOMIC (1: pointer atomics, 2: a TMA
-    reduce on the descriptor path) also this block's share of dQ = dS K * scale, added into the float32
-    accumulator."""
+    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q."""
     rows = start_m + offs_m
     if USE_TMA:
         q = desc_q.load([q_row + start_m, q_col])
@@ -385,32 +383,22 @@ def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, dqa_ptrs, desc_q, desc_do, desc_dq
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
     dv = _dot(_cast(p_t, do.dtype, EMU_BF16), do, dv, DOT_PREC, EMU_BF16)
     dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
-    ds_t = _cast(p_t * (dp_t - delta[None, :]), q.dtype, EMU_BF16)
-    dk = _dot(ds_t, q, dk, DOT_PREC, EMU_BF16)
-    if DQ_ATOMIC != 0:
-        # Rows past the sequence (a TMA tile running into the next one) have P = 0, so they add exact zeros.
-        dq = _dot(tl.trans(ds_t), k, None, DOT_PREC, EMU_BF16) * softmax_scale
-        if DQ_ATOMIC == 2 and USE_TMA:
-            desc_dqa.atomic_add([q_row + start_m, q_col], dq)
-        else:
-            tl.atomic_add(dqa_ptrs, dq, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(_cast(ds_t, q.dtype, EMU_BF16), q, dk, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa, q_row,
-                 h0, group, sqs, sqh, sds, sdh, sas, sah, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
-                 off, left, right, qk_scale, softmax_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr,
-                 EMU_BF16: tl.constexpr):
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                 sqs, sqh, sds, sdh, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                 qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each of the
     group's heads h0 .. h0 + group - 1: one flat loop over (head, block) pairs, never a loop around loops
     (that keeps the accumulators in registers: nested loops made ptxas spill them)."""
     q_offs = offs_m[:, None] * sqs + offs_d[None, :]
     do_offs = offs_m[:, None] * sds + offs_d[None, :]
-    dqa_offs = offs_m[:, None] * sas + offs_d[None, :]
     if GQA:
         n_blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
         for it in tl.range(0, n_blocks * group):
@@ -419,35 +407,31 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, d
             g64 = g.to(tl.int64)
             sm64 = tl.cast(start_m, tl.int64)
             dk, dv = _dkdv_step(dk, dv, k, v, q_base + g64 * sqh + sm64 * sqs + q_offs,
-                                do_base + g64 * sdh + sm64 * sds + do_offs,
-                                dqa_base + g64 * sah + sm64 * sas + dqa_offs, desc_q, desc_do, desc_dqa, q_row,
+                                do_base + g64 * sdh + sm64 * sds + do_offs, desc_q, desc_do, q_row,
                                 (h0 + g) * HEAD_DIM, LSE2 + l_base + g64 * slh, DELTA + l_base + g64 * slh,
                                 start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
-                                softmax_scale, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA,
-                                DQ_ATOMIC, DOT_PREC, EMU_BF16)
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             sm64 = tl.cast(start_m, tl.int64)
             dk, dv = _dkdv_step(dk, dv, k, v, q_base + sm64 * sqs + q_offs, do_base + sm64 * sds + do_offs,
-                                dqa_base + sm64 * sas + dqa_offs, desc_q, desc_do, desc_dqa, q_row,
-                                h0 * HEAD_DIM, LSE2 + l_base, DELTA + l_base, start_m, kpos, offs_m, offs_d,
-                                seqlen_q, seqlen_k, off, left, right, qk_scale, softmax_scale, MASKED,
-                                HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DQ_ATOMIC, DOT_PREC, EMU_BF16)
+                                desc_q, desc_do, q_row, h0 * HEAD_DIM, LSE2 + l_base, DELTA + l_base,
+                                start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQA, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do, desc_dqa,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-                   sgb, sgs, sgh, sab, sas, sah, slb, slh,
+                   sgb, sgs, sgh, slb, slh,
                    seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr,
-                   DQ_ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
+                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*), and with
-    DQ_ATOMIC dQ * scale is added into DQA (float32, zeroed, strides sa*). Early key blocks are seen by the
-    most causal queries: they go first."""
+    """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
+    blocks are seen by the most causal queries: they go first."""
     n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
@@ -459,8 +443,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQA, LSE2, DELTA, CU, desc_q, desc_k, de
     if USE_TMA:
         k = desc_k.load([b * rows_k + start + n0, hk * HEAD_DIM])
         v = desc_v.load([b * rows_k + start + n0, hk * HEAD_DIM])
-        if DQ_ATOMIC != 0:  # rows past the keys (the next sequence's) must add nothing to dQ = dS K
-            k = tl.where(offs_n[:, None] < sk, k, 0.0)
     else:
         rows = offs_n.to(tl.int64)[:, None]
         k = _load_tile(K + b64 * skb + start64 * sks + hk64 * skh + rows * sks + offs_d[None, :],
@@ -476,24 +458,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQA, LSE2, DELTA, CU, desc_q, desc_k, de
     q_row = b * rows_q + start
     q_base = Q + b64 * sqb + start64 * sqs + h64 * sqh
     do_base = DO + b64 * sdb + start64 * sds + h64 * sdh
-    dqa_base = DQA + b64 * sab + start64 * sas + h64 * sah
     l_base = b64 * slb + h64 * slh + start64
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa,
-                          q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m, offs_d,
-                          inner_lo, inner_hi, sq, sk, off, left, right, qk_scale, softmax_scale, False,
-                          HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DQ_ATOMIC, DOT_PREC,
-                          EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_lo, inner_hi, sq, sk, off,
+                          left, right, qk_scale, False, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     if HAS_RIGHT:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do,
-                              desc_dqa, q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m,
-                              offs_d, lo, inner_lo, sq, sk, off, left, right, qk_scale, softmax_scale, True,
-                              HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DQ_ATOMIC,
-                              DOT_PREC, EMU_BF16)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa,
-                          q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m, offs_d,
-                          inner_hi, hi, sq, sk, off, left, right, qk_scale, softmax_scale, True,
-                          HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, USE_TMA, DQ_ATOMIC, DOT_PREC,
-                          EMU_BF16)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
+                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, inner_lo, sq, sk, off,
+                              left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                              USE_TMA, DOT_PREC, EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_hi, hi, sq, sk, off,
+                          left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     dk = dk * softmax_scale
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
@@ -609,11 +587,8 @@ CONFIGS = {
     "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)],
            128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma")],
            256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2, "tma")]},
-    # dK, dV and dQ in one pass (DQ_ATOMIC); head_dim <= 128 only.
-    "dkdvq": {64: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2)],
-              128: [(64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 2), (32, 128, 8, 2)]},
 }
-_INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1), "dkdvq": (16, 32, 4, 1)}
+_INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads, batch); a larger batch is launched in chunks
 
 
@@ -674,15 +649,12 @@ class _Kernel:
         self.launcher(grid(bm, bn), *args(bm, bn), **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                       num_stages=stages)
 
-    def __call__(self, key, grid, args, consts, reset=None):
-        """`reset` restores what a launch accumulates into (timing launches a candidate many times)."""
+    def __call__(self, key, grid, args, consts):
         cfg = self.chosen.get(key)
         if cfg is None:
             cfg, done = self._choose(key, grid, args, consts)
             if done:  # the untimed choice has just run with these arguments
                 return
-            if reset is not None:
-                reset()
         self.launch(cfg, grid, args, consts)
 
     def _choose(self, key, grid, args, consts):
@@ -722,8 +694,7 @@ class _Kernel:
 _FWD = _Kernel("fwd", _attn_fwd)
 _DKDV = _Kernel("dkdv", _attn_bwd_dkdv)
 _DQ = _Kernel("dq", _attn_bwd_dq)
-_DKDVQ = _Kernel("dkdvq", _attn_bwd_dkdv)  # the same kernel with DQ_ATOMIC: dK, dV and dQ in one pass
-_KERNELS = (_FWD, _DKDV, _DQ, _DKDVQ)
+_KERNELS = (_FWD, _DKDV, _DQ)
 fallbacks: list = []  # (kernel, key, error) each time the descriptor path gave way to pointer loads
 
 
@@ -887,24 +858,23 @@ def _bucket(max_q, max_k):
     return min(max(_pow2(max(max_q, max_k, 1)), 256), 16384)
 
 
-def _run(kern, tma, key, batch, grid, args, consts, reset=None):
+def _run(kern, tma, key, batch, grid, args, consts):
     """Launch over batch chunks of at most 65535 (grid dim 2): on the descriptor path when `tma` is 'auto'
     or 'on', pointer loads when 'off'; 'auto' falls back to pointer loads when no descriptor config of
-    this key compiles (and notes it in `fallbacks`). Configs are chosen on the first chunk, so `reset`
-    (see _Kernel) never clears a finished chunk."""
+    this key compiles (and notes it in `fallbacks`)."""
     for b0 in range(0, batch, _MAX_GRID_YZ):
         nb = min(batch - b0, _MAX_GRID_YZ)
         g = lambda bm, bn: grid(bm, bn, nb)  # noqa: E731
         if tma != "off":
             try:
-                kern(key + (True,), g, lambda bm, bn: args(bm, bn, True, b0), {**consts, "USE_TMA": True}, reset)
+                kern(key + (True,), g, lambda bm, bn: args(bm, bn, True, b0), {**consts, "USE_TMA": True})
                 continue
             except NoConfigError as e:
                 if tma == "on":
                     raise
                 if not any(f[0] == kern.name and f[1] == key for f in fallbacks):
                     fallbacks.append((kern.name, key, str(e.__cause__ or e)[:300]))
-        kern(key + (False,), g, lambda bm, bn: args(bm, bn, False, b0), {**consts, "USE_TMA": False}, reset)
+        kern(key + (False,), g, lambda bm, bn: args(bm, bn, False, b0), {**consts, "USE_TMA": False})
 
 
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
@@ -960,38 +930,15 @@ def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, tota
     return lse2, delta
 
 
-_DQ_ACC_MAX_BYTES = 256 << 20  # past this, the fused backward's float32 dQ costs more memory than it saves time
-
-
-def _dq_atomic(deterministic, q) -> int:
-    """The DQ_ATOMIC constexpr: 0 = dQ by its own kernel (bitwise repeatable; also past head_dim 128, and
-    when the float32 dQ would pass _DQ_ACC_MAX_BYTES), 1 = added by the dK/dV kernel with pointer atomics,
-    2 = with TMA reduces where tiles come through descriptors (pointer atomics elsewhere; the interpreter
-    has no descriptor reduce). TILEWISE_ATTN_DQ=split|atomic|reduce overrides all but head_dim."""
-    flag = os.environ.get("TILEWISE_ATTN_DQ", "").strip().lower()
-    if flag not in ("", "split", "atomic", "reduce"):
-        raise ValueError(f"TILEWISE_ATTN_DQ={flag!r}: expected split, atomic or reduce")
-    if deterministic or flag == "split" or q.shape[-1] > 128:
-        return 0
-    if not flag and q.numel() * 4 > _DQ_ACC_MAX_BYTES:
-        return 0
-    return 1 if _INTERPRET or flag == "atomic" else 2
-
-
-def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                   deterministic=False):
+def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
     """dQ, dK, dV (contiguous, in the input dtype)."""
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
-    dq_atomic = _dq_atomic(deterministic, q)
-    if dq_atomic:  # the fused pass adds dQ into float32 laid out as a contiguous q, cast once at the end
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq = _new(q.shape, q.dtype, q.device)
+    dq = _new(q.shape, q.dtype, q.device)
     dk = _new(k.shape, k.dtype, k.device)
     dv = _new(v.shape, v.dtype, v.device)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     total = q.shape[0] if packed else 0
@@ -1013,26 +960,23 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     tail = (seqlen_q, seqlen_k, rows_q, rows_k, group, softmax_scale * LOG2E, softmax_scale, left, right)
     bucket = _bucket(max_q, max_k)
 
-
     def descs(bm, bn, use_tma):
         if not use_tma:
-            return None, None, None, None, None
+            return None, None, None, None
         return (_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn),
-                _descriptor(dout, packed, bm), _descriptor(dq, packed, bm) if dq_atomic == 2 else None)
+                _descriptor(dout, packed, bm))
 
-    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *_seq_strides(dq, packed), *lse_strides, *tail)
-    dkdv_consts = {**consts, "GQA": group > 1, "DQ_ATOMIC": dq_atomic}
-    _run(_DKDVQ if dq_atomic else _DKDV, tma, (bucket, q.dtype, *dkdv_consts.values()),
+    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
+    dkdv_consts = {**consts, "GQA": group > 1}
+    _run(_DKDV, tma, (bucket, q.dtype, *dkdv_consts.values()),
          batch, lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb),
-         lambda bm, bn, use_tma, b0: (q, k, v, dout, dk, dv, dq, lse2, delta, cu, *descs(bm, bn, use_tma),
+         lambda bm, bn, use_tma, b0: (q, k, v, dout, dk, dv, lse2, delta, cu, *descs(bm, bn, use_tma),
                                       *dkdv_scalars, b0),
-         dkdv_consts, reset=dq.zero_ if dq_atomic else None)
-    if dq_atomic:
-        return dq.to(q.dtype), dk, dv
+         dkdv_consts)
     dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
     _run(_DQ, tma, (bucket, q.dtype, *consts.values()),
          batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb),
-         lambda bm, bn, use_tma, b0: (q, k, v, dout, dq, lse2, delta, cu, *descs(bm, bn, use_tma)[:4],
+         lambda bm, bn, use_tma, b0: (q, k, v, dout, dq, lse2, delta, cu, *descs(bm, bn, use_tma),
                                       *dq_scalars, b0),
          consts)
     return dq, dk, dv
@@ -1044,13 +988,13 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
 
 @torch.library.custom_op("tilewise::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                    max_seqlen: int, softmax_scale: float, left: int, right: int, deterministic: bool
+                    max_seqlen: int, softmax_scale: float, left: int, right: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
 
 
 @_flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     heads = q.shape[-2]
     lse_shape = (heads, q.shape[0]) if cu_seqlens is not None else (q.shape[0], heads, q.shape[1])
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -1059,15 +1003,13 @@ def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, r
 @torch.library.custom_op("tilewise::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                    max_seqlen: int, softmax_scale: float, left: int, right: int, deterministic: bool
+                    max_seqlen: int, softmax_scale: float, left: int, right: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                          deterministic)
+    return _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right)
 
 
 @_flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                         deterministic):
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -1079,10 +1021,9 @@ class FlashAttnFunction(torch.autograd.Function):
     two opaque ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
-        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic),
-                       (out, lse))
+        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right), (out, lse))
         return out, lse
 
     @staticmethod
@@ -1091,10 +1032,10 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic = inputs
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = (max_seqlen, softmax_scale, left, right, deterministic)
+    ctx.args = (max_seqlen, softmax_scale, left, right)
 
 
 def _backward(ctx, dout, dlse, impl):
@@ -1102,7 +1043,7 @@ def _backward(ctx, dout, dlse, impl):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = impl(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 def _op_backward(ctx, dout, dlse):
@@ -1177,9 +1118,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
                     max_seqlen=None, return_lse=False, deterministic=False):
     """Attention over q, k, v (layout in the module docstring); returns out, or (out, lse).
 
-    By default the backward adds dQ with float32 atomics (one pass for dQ, dK, dV; the summation order
-    varies run to run); deterministic=True gives dQ its own kernel and bitwise repeatable gradients. With
-    cu_seqlens under torch.compile, pass max_seqlen (an int).
+    Gradients are always deterministic (dQ has its own kernel, no atomics); `deterministic` is accepted
+    for flash-attn compatibility. With cu_seqlens under torch.compile, pass max_seqlen (an int).
     """
     check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen)
     if softmax_scale is None:
@@ -1188,7 +1128,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
         left, right = _effective_window(causal, window)
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        args = (q, k, v, cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right, bool(deterministic))
+        args = (q, k, v, cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right)
         if torch.compiler.is_compiling():
             out, lse = torch.ops.tilewise.flash_attn_fwd(*args)
         else:
