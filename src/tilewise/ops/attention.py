@@ -734,13 +734,13 @@ def tuning_report(kernels=None):
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-def _nan_fill() -> bool:
-    """Outputs start as NaN in the interpreter and with TILEWISE_NAN_FILL=1, so unwritten elements show."""
-    return _INTERPRET or os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
+# Outputs start as NaN in the interpreter and with TILEWISE_NAN_FILL=1 (read at import), so unwritten
+# elements show.
+_NAN_FILL = _INTERPRET or os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
 
 
 def _new(shape, dtype, device):
-    if _nan_fill():
+    if _NAN_FILL:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -910,6 +910,9 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     return out, lse
 
 
+_bwd_prep_launch = FastLauncher(_bwd_prep)
+
+
 def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total):
     """(lse2, delta) of the backward: lse * log2(e) (+inf for rows that see no key) and rowsum(dO * O) - dLSE,
     both in the LSE's layout. dout has a unit last stride."""
@@ -923,10 +926,11 @@ def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, tota
     dlse_arg = dlse.contiguous() if has_dlse else lse
     for b0 in range(0, batch, _MAX_GRID_YZ):
         nb = min(batch - b0, _MAX_GRID_YZ)
-        _bwd_prep[(_cdiv(max_q, prep_rows), heads, nb)](
-            out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed),
-            *_lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0, HEAD_DIM=head_dim,
-            BLOCK_D=max(16, _pow2(head_dim)), VARLEN=packed, HAS_DLSE=has_dlse, BLOCK_M=prep_rows)
+        _bwd_prep_launch((_cdiv(max_q, prep_rows), heads, nb),
+                         out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed),
+                         *_seq_strides(dout, packed), *_lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0,
+                         HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), VARLEN=packed, HAS_DLSE=has_dlse,
+                         BLOCK_M=prep_rows)
     return lse2, delta
 
 

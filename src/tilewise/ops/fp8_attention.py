@@ -76,6 +76,7 @@ from . import attention as attn
 from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_program, _key_range, _load_tile, _query_program,
                         _query_range, _seq_bounds, _store_tile)
 from .dispatch import use_triton
+from .launch import FastLauncher
 
 FP8_MAX = 448.0  # the largest finite E4M3 value
 P_SCALE = tl.constexpr(256.0)  # P in [0, 1] is cast as P * 256: a power of two, so the product is exact
@@ -232,6 +233,9 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
         else:
             xt8 = tl.trans(x8)
         tl.store(ptrs, xt8, mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
+
+
+_quantize_launch = FastLauncher(_fp8_quantize)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -730,7 +734,8 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
     for write_rows, write_t in passes:
         for b0 in range(0, batch, attn._MAX_GRID_YZ):
             nb = min(batch - b0, attn._MAX_GRID_YZ)
-            _fp8_quantize[(_cdiv(max_len, block), heads, nb)](
+            _quantize_launch(
+                (_cdiv(max_len, block), heads, nb),
                 x, x8, x8t, scales, t_amax, rot, cu, cu_t, *_seq_strides(x, packed),
                 *(_seq_strides(x8, packed) if rows else (0, 0, 0)),
                 *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,

@@ -114,14 +114,25 @@ def _arg_class(a):
     return _scalar_class(a)
 
 
+_INT_CLASSES: dict = {}   # int -> _int_class: launches pass the same sizes and strides again and again
+
+
 def _arg_classes(args) -> tuple:
-    """_arg_class of every argument, with the tensor and int cases inline (this runs on every launch)."""
-    return tuple([
-        (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else
-        (1 if a == 1 else (2 if -0x80000000 <= a <= 0x7FFFFFFF else 3 if a >= 0x8000000000000000 else 4)
-         + (16 if a % 16 == 0 else 0)) if a.__class__ is int else
-        _scalar_class(a)
-        for a in args])
+    """_arg_class of every argument, with the int and tensor cases inline (this runs on every launch)."""
+    out = []
+    for a in args:
+        if a.__class__ is int:
+            c = _INT_CLASSES.get(a)
+            if c is None:
+                c = _int_class(a)
+                if len(_INT_CLASSES) < 1 << 16:
+                    _INT_CLASSES[a] = c
+        elif isinstance(a, torch.Tensor):
+            c = (a.dtype, a.data_ptr() & 15 == 0)
+        else:
+            c = _scalar_class(a)
+        out.append(c)
+    return tuple(out)
 
 
 def _meta_key(meta: dict) -> tuple:
