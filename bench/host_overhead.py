@@ -108,7 +108,25 @@ def cases(dev):
     def ce_eager():
         F.cross_entropy(F.linear(hid, head).float(), tgt).backward()
 
-    out = {"add_layernorm": (norm_tw, norm_eager), "flash_attention": (attn_tw, attn_eager),
+    class Doubling(torch.autograd.Function):   # the smallest Python autograd node: what one costs
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    def function_tw():
+        y = Doubling.apply(x)
+        y.backward(y)
+
+    def function_eager():
+        y = x * 2
+        y.backward(y)
+
+    out = {"python_autograd_function": (function_tw, function_eager),
+           "add_layernorm": (norm_tw, norm_eager), "flash_attention": (attn_tw, attn_eager),
            "bias_gelu": (gelu_tw, gelu_eager), "linear_cross_entropy": (ce_tw, ce_eager)}
     try:
         from tilewise.fp8 import Fp8Linear
@@ -154,13 +172,21 @@ def main():
     dev = torch.device("cuda")
     result = {"area": "host_overhead", **environment(), "unit": "us per forward+backward call", "rows": [],
               "profiles": {}}
+    # *_calling_thread: the backward on the calling thread (torch.autograd.set_multithreading_enabled(False))
+    # instead of the device's autograd worker thread, which must take the GIL for each Python node.
+    single = torch.autograd.set_multithreading_enabled
     for name, (tw, eager) in cases(dev).items():
         row = {"op": name, "tilewise_us": host_us(tw), "eager_us": host_us(eager)}
+        with single(False):
+            row.update(tilewise_us_calling_thread=host_us(tw), eager_us_calling_thread=host_us(eager))
         result["rows"].append(row)
         result["profiles"][name] = profile_top(tw)
         print(row, flush=True)
     step = train_step_case(dev)
-    result["rows"].append({"op": "gpt2_124m_train_step_2x256", "tilewise_us": host_us(step, calls=20)})
+    row = {"op": "gpt2_124m_train_step_2x256", "tilewise_us": host_us(step, calls=20)}
+    with single(False):
+        row["tilewise_us_calling_thread"] = host_us(step, calls=20)
+    result["rows"].append(row)
     result["profiles"]["train_step"] = profile_top(step, calls=20, top=40)
     print(result["rows"][-1], flush=True)
     for name, text in result["profiles"].items():
