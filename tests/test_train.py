@@ -126,3 +126,23 @@ def test_clipping_folded_into_fused_adamw_matches_clip_grad_norm(grad_clip):
     away = sum((q - r).norm().item() for q, r in zip(models[1].parameters(), models[2].parameters()))
     moved = sum((r - p0).norm().item() for r, p0 in zip(models[2].parameters(), initial))
     assert (away > 0.5 * moved) if grad_clip > 0 else away == 0   # clipping (norms ~1 against 0.05) mattered
+
+
+def test_step_runs_the_backward_on_the_calling_thread():
+    """make_step's backward runs with autograd's device worker threads off (each handoff to them costs
+    host time), and the setting is restored after the step."""
+    from contextlib import nullcontext
+
+    import torch
+    from tilewise.model import GPT
+    from tilewise.train import make_step
+    cfg = load_config("tiny", overrides=["model.n_layer=1", "model.d_model=32", "model.n_head=2",
+                                         "model.seq_len=16"])
+    cfg.model.vocab_size = 64
+    model = GPT(cfg.model)
+    seen = []
+    model.register_full_backward_pre_hook(lambda mod, grad: seen.append(torch._C._is_multithreading_enabled()))
+    step = make_step(model, model, torch.optim.AdamW(model.parameters(), lr=1e-3), None, nullcontext, 2, 1.0)
+    x = torch.randint(0, 64, (4, 16))
+    step(lambda k: (x, x))
+    assert seen == [False, False] and torch._C._is_multithreading_enabled()
