@@ -216,8 +216,12 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
         if not all(e[k] < tol[k] for k in tol):
             notes[name] = f"outputs disagree with fp32: {e}"
             methods.pop(name)
+    times_ct = {}   # the backward on the calling thread (as the tilewise trainer runs it), every method alike
     for name, fn in methods.items():
         times[name] = timer.ms(fn)
+        if timer.cuda:
+            with torch.autograd.set_multithreading_enabled(False):
+                times_ct[name] = timer.ms(fn)
         hosts[name] = timer.host_us(fn)
         if name != "torchao":  # a compiled module replays its own way; its eager figure is its real speed
             graphs[name] = timer.graph_ms(fn)
@@ -235,7 +239,9 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
            "ratio_torchao": tw / tput["torchao"] if tw and "torchao" in tput else None,
            "ratio_best_peer": tw / max(peers) if tw and peers else None,
            "best_recipe_ratio_best_peer": best_tw / max(peers) if best_tw and peers else None,
-           "detail": {"ms": times, "graph_ms": graphs, "host_us_per_iter": hosts, "rel_err_vs_fp32": errs,
+           "ratio_torchao_calling_thread": (times_ct["torchao"] / times_ct["tilewise"]
+                                            if "tilewise" in times_ct and "torchao" in times_ct else None),
+           "detail": {"ms": times, "calling_thread_ms": times_ct, "graph_ms": graphs, "host_us_per_iter": hosts, "rel_err_vs_fp32": errs,
                       "notes": notes}}
     gemm_row = bench_gemms(model, K, N, M, xs[0].detach(), dys[0], base.weight.detach(), timer)
     if times.get("tilewise"):  # what the casts, scales and launches cost on top of the GEMMs

@@ -139,6 +139,12 @@ class Bench:
         return self.triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                             return_mode="median")
 
+    def ms_calling_thread(self, fn, grad_to_none=None):
+        """ms, with the backward on the calling thread instead of autograd's device worker thread (as the
+        tilewise trainer runs it): the same for every contestant, a diagnostic beside the protocol's figure."""
+        with self.torch.autograd.set_multithreading_enabled(False):
+            return self.ms(fn, grad_to_none)
+
     def graph_ms(self, fn, grad_to_none=None):
         """do_bench_cudagraph: the calls captured in a CUDA graph and replayed, GPU time only; None when the
         call cannot be captured."""
@@ -264,7 +270,7 @@ class Bench:
             torch.autograd.backward([y, h], [dy, dh])
 
         nbytes = (4 * rows * width + width) * x.element_size()        # x, residual, weight in; y, h out
-        fwd, both, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}
+        fwd, both, both_ct, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}, {}
         for name, f in impls.items():
             fwd_graph[name] = both_graph[name] = None
             try:
@@ -284,6 +290,7 @@ class Bench:
                     continue
                 fwd[name] = nbytes / self.ms(lambda: call(f)) / 1e6
                 both[name] = self.ms(lambda: step(f), grad_to_none=leaves)
+                both_ct[name] = self.ms_calling_thread(lambda: step(f), grad_to_none=leaves)
                 graph = self.graph_ms(lambda: call(f))
                 fwd_graph[name] = nbytes / graph / 1e6 if graph else None
                 both_graph[name] = self.graph_ms(lambda: step(f), grad_to_none=leaves)
@@ -293,7 +300,7 @@ class Bench:
         host = {"fwd": self.host_us(lambda: call(impls["tilewise"])),
                 "fwd+bwd": self.host_us(lambda: step(impls["tilewise"]), leaves)}
         shape = {"rows": rows, "width": width, "dtype": "bf16", "bias": b is not None}
-        self.add_rows("add_" + kind, shape, fwd, both, agree, fwd_graph, both_graph, host, frac=True)
+        self.add_rows("add_" + kind, shape, fwd, both, both_ct, agree, fwd_graph, both_graph, host, frac=True)
         try:
             self.norm_diagnostics(kind, x, r, w, b, dy, dh, leaves, impls, step, both)
         except Exception as e:      # noqa: BLE001 - diagnostics never end the run
@@ -360,7 +367,7 @@ class Bench:
         gbps = (2 * rows * width + width) * h.element_size() / ms / 1e6
         self.results.setdefault("liger_norm_alone_GBps", {})[f"{kind} {rows}x{width}"] = gbps
 
-    def add_rows(self, op, shape, fwd, both, agree, fwd_graph, both_graph, host, frac):
+    def add_rows(self, op, shape, fwd, both, both_ct, agree, fwd_graph, both_graph, host, frac):
         peers = [k for k in CONTESTANTS if k != "tilewise"]
         fwd_peers = [fwd[k] for k in peers if fwd.get(k) is not None]
         both_peers = [both[k] for k in peers if both.get(k) is not None]
@@ -380,6 +387,11 @@ class Bench:
             row["meets_target"] = bool(row["ratio_best_peer"] and row["ratio_best_peer"] >= FWD_BWD_TARGET)
         row.update({f"{k}_graph": both_graph.get(k) for k in CONTESTANTS})
         row["tilewise_host_us"] = host["fwd+bwd"]
+        ct_peers = [both_ct[k] for k in peers if both_ct.get(k) is not None]
+        tw_ct = both_ct.get("tilewise")
+        row["tilewise_calling_thread"] = tw_ct
+        row["ratio_best_peer_calling_thread"] = (min(ct_peers) / tw_ct) if tw_ct and ct_peers else None
+        row["calling_thread_ms"] = dict(both_ct)
         self.results["rows"].append(row)
         self.save()
 
@@ -415,7 +427,7 @@ class Bench:
         ref_y.backward(dy.float())
         ref_out = [ref_y.detach()] + [t.grad for t in ref_in]
         impls = {"tilewise": tilewise, "eager": eager, "torch_compile": torch.compile(eager, dynamic=False)}
-        fwd, both, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}
+        fwd, both, both_ct, fwd_graph, both_graph, agree = {}, {}, {}, {}, {}, {}
         for name, f in impls.items():
             fwd_graph[name] = both_graph[name] = None
             try:
@@ -431,6 +443,7 @@ class Bench:
                     continue
                 fwd[name] = fwd_bytes / self.ms(lambda: f(*leaves)) / 1e6
                 both[name] = self.ms(lambda: f(*leaves).backward(dy), grad_to_none=leaves)
+                both_ct[name] = self.ms_calling_thread(lambda: f(*leaves).backward(dy), grad_to_none=leaves)
                 graph = self.graph_ms(lambda: f(*leaves))
                 fwd_graph[name] = fwd_bytes / graph / 1e6 if graph else None
                 both_graph[name] = self.graph_ms(lambda: f(*leaves).backward(dy), grad_to_none=leaves)
@@ -440,7 +453,7 @@ class Bench:
         host = {"fwd": self.host_us(lambda: tilewise(*leaves)),
                 "fwd+bwd": self.host_us(lambda: tilewise(*leaves).backward(dy), leaves)}
         shape = {"rows": rows, "width": width, "dtype": "bf16"}
-        self.add_rows(op, shape, fwd, both, agree, fwd_graph, both_graph, host, frac=False)
+        self.add_rows(op, shape, fwd, both, both_ct, agree, fwd_graph, both_graph, host, frac=False)
         self.results["rows"][-2]["tilewise_frac_copy"] = (fwd["tilewise"] / self.copy_gbps
                                                            if fwd.get("tilewise") else None)
         try:

@@ -93,7 +93,6 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path, tmp_path_facto
 def test_clipping_folded_into_fused_adamw_matches_clip_grad_norm(grad_clip):
     """With fused AdamW the clipping is the optimizer's gradient divisor (no pass over the gradients): the
     weights after a few steps match clip_grad_norm_ + foreach AdamW, and grad_clip 0 clips nothing."""
-    import copy
     from contextlib import nullcontext
 
     import torch
