@@ -69,6 +69,8 @@ class Attention(nn.Module):
     def forward(self, x, rope=None, cache: KVCache | None = None):
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv, self.head_dim)
+        if self.kind == "flash" and rope is None and cache is None:   # one gradient for qkv, no concatenation
+            return self.proj(ops.flash_attention_qkv(qkv, self.n_kv, causal=True).reshape(B, T, -1))
         q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=2)  # strided views, no copy
         if rope is not None:
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)

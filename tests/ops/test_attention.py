@@ -14,7 +14,8 @@ import triton.testing
 
 from tilewise import ops
 from tilewise.ops import attention as attn
-from tilewise.ops.attention import _dense_attention, attention_mask, attention_reference, flash_attention
+from tilewise.ops.attention import (_dense_attention, attention_mask, attention_reference, flash_attention,
+                                    flash_attention_qkv)
 
 # Both errors can be ~0 where an output is exactly representable (a row that sees one key returns v
 # itself), so 2 * 0 would fail a correct kernel one fp32 ulp away; 1e-6 is far below any bf16/fp16 error.
@@ -225,6 +226,29 @@ def test_tma_and_pointer_paths_agree(packed, device, tma):
         results.append(got + [lse])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["ptr", "tma"])
+@pytest.mark.parametrize("hq,hkv,packed", [(4, 2, False), (2, 2, True), (3, 1, False)])
+def test_qkv_entry_point_matches_split_views(path, hq, hkv, packed, device, tma):
+    """flash_attention_qkv (one gradient written for qkv) and flash_attention on split views of qkv (three
+    gradients, concatenated by the split's backward) are the same computation: bitwise equal outputs, LSE and
+    qkv gradient, window and a dLSE included."""
+    tma(path)
+    cu = torch.tensor([0, 20, 21, 54], dtype=torch.int32, device=device) if packed else None
+    shape = (54, hq + 2 * hkv, 32) if packed else (2, 37, hq + 2 * hkv, 32)
+    qkv = _rand(*shape, dtype=torch.bfloat16, device=device)
+    dout = torch.randn(*shape[:-2], hq, 32, device=device)
+    dlse = torch.randn((hq, 54) if packed else (2, hq, 37), device=device)
+    kw = dict(causal=True, window=(9, -1), cu_seqlens=cu, return_lse=True)
+    with ops.use("triton"):
+        got, lse = _grads(lambda t: flash_attention_qkv(t, hkv, **kw), (qkv,), dout, dlse)
+        want, lse_want = _grads(lambda t: flash_attention(*t.split([hq, hkv, hkv], dim=-2), **kw), (qkv,), dout,
+                                dlse)
+    for a, b in zip(got + [lse], want + [lse_want]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="heads_kv"):
+        flash_attention_qkv(qkv, hq + 2 * hkv)   # no head left for q
 
 
 def test_autograd_function_matches_the_custom_op(device, tma):
@@ -551,6 +575,18 @@ def test_gpu_varlen_fused_qkv(tma):
     fused = _rand(sum(lengths), 16 + 4 + 4, 128, dtype=torch.bfloat16, device="cuda")
     q, k, v = fused.split([16, 4, 4], dim=1)
     check(q, k, v, causal=True, cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+def test_gpu_qkv_entry_point_matches_split_views(tma):
+    """At the 1.3B preset's shape (16 heads, head_dim 128, N 2048): bitwise the split views' results."""
+    tma("tma")
+    qkv = _rand(2, 2048, 48, 128, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(2, 2048, 16, 128, device="cuda")
+    got, _ = _grads(lambda t: flash_attention_qkv(t, 16, causal=True), (qkv,), dout)
+    want, _ = _grads(lambda t: flash_attention(*t.split([16, 16, 16], dim=-2), causal=True), (qkv,), dout)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

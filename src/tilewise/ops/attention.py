@@ -934,13 +934,16 @@ def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, tota
     return lse2, delta
 
 
-def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
-    """dQ, dK, dV (contiguous, in the input dtype)."""
+def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
+                   grads=None):
+    """dQ, dK, dV in the input dtype: contiguous, or written into `grads`, three views of one gradient (the
+    packed path; dK and dV share their strides)."""
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
-    dq = _new(q.shape, q.dtype, q.device)
-    dk = _new(k.shape, k.dtype, k.device)
-    dv = _new(v.shape, v.dtype, v.device)
+    if grads is None:
+        dq, dk, dv = (_new(t.shape, t.dtype, t.device) for t in (q, k, v))
+    else:
+        dq, dk, dv = grads
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
@@ -1050,6 +1053,35 @@ def _backward(ctx, dout, dlse, impl):
     return dq, dk, dv, None, None, None, None, None
 
 
+class FlashAttnQKVFunction(torch.autograd.Function):
+    """Flash attention on q, k, v split from one (..., heads_q + 2 * heads_kv, head_dim) tensor (a fused QKV
+    projection). Its backward writes dQ, dK and dV into one gradient of that tensor, where three gradients of
+    split views would cost a concatenation (a read and a write of the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, qkv, heads_kv, cu_seqlens, max_seqlen, softmax_scale, left, right):
+        q, k, v = _split_qkv(qkv, heads_kv)
+        out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
+        ctx.args = (heads_kv, max_seqlen, softmax_scale, left, right)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qkv, out, lse, cu_seqlens = ctx.saved_tensors
+        heads_kv, max_seqlen, softmax_scale, left, right = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dqkv = _new(qkv.shape, qkv.dtype, qkv.device)
+        _attn_backward(dout, *_split_qkv(qkv, heads_kv), out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale,
+                       left, right, grads=_split_qkv(dqkv, heads_kv))
+        return dqkv, None, None, None, None, None, None
+
+
+def _split_qkv(qkv, heads_kv):
+    return qkv.split([qkv.shape[-2] - 2 * heads_kv, heads_kv, heads_kv], dim=-2)
+
+
 def _op_backward(ctx, dout, dlse):
     return _backward(ctx, dout, dlse, torch.ops.tilewise.flash_attn_bwd)
 
@@ -1108,6 +1140,34 @@ def check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="fl
             raise ValueError(f"{fn}: cu_seqlens must start at 0, not decrease, and end at total_tokens={q.shape[0]}")
         if max_seqlen is not None and int((offsets[1:] - offsets[:-1]).max()) > max_seqlen:
             raise ValueError(f"{fn}: a sequence is longer than max_seqlen={max_seqlen}")
+
+
+def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
+                        max_seqlen=None, return_lse=False):
+    """flash_attention(q, k, v) for q, k, v = qkv.split([heads_q, heads_kv, heads_kv], dim=-2): qkv is
+    (batch, seqlen, heads_q + 2 * heads_kv, head_dim), or (total_tokens, ...) with cu_seqlens. The gradient
+    reaches qkv as one tensor (see FlashAttnQKVFunction); the other options are flash_attention's."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() not in (3, 4):
+        raise ValueError(f"flash_attention_qkv: qkv must be a 4-d (batch, seqlen, heads, head_dim) or packed 3-d "
+                         f"tensor, got {getattr(qkv, 'shape', type(qkv).__name__)}")
+    heads = qkv.shape[-2]
+    if not isinstance(heads_kv, int) or heads_kv < 1 or heads - 2 * heads_kv < 1:
+        raise ValueError(f"flash_attention_qkv: heads_kv={heads_kv!r} does not fit qkv's {heads} heads "
+                         f"(heads_q + 2 * heads_kv, heads_q >= 1)")
+    q, k, v = _split_qkv(qkv, heads_kv)
+    check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="flash_attention_qkv")
+    if not (use_triton(qkv) and qkv.dtype != torch.float64) or torch.compiler.is_compiling():
+        # the reference, or the custom op under torch.compile (which plans the gradient's layout itself)
+        return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(qkv.shape[-1])
+    left, right = _effective_window(causal, window)
+    if cu_seqlens is not None and max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    out, lse = FlashAttnQKVFunction.apply(qkv, heads_kv, cu_seqlens, int(max_seqlen or 0), float(softmax_scale),
+                                          left, right)
+    return (out, lse) if return_lse else out
 
 
 def _effective_window(causal, window):
