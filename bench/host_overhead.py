@@ -181,6 +181,8 @@ def main():
             row.update(tilewise_us_calling_thread=host_us(tw), eager_us_calling_thread=host_us(eager))
         result["rows"].append(row)
         result["profiles"][name] = profile_top(tw)
+        with single(False):   # which functions the worker thread makes slower
+            result["profiles"][name + " (calling thread)"] = profile_top(tw)
         print(row, flush=True)
     step = train_step_case(dev)
     row = {"op": "gpt2_124m_train_step_2x256", "tilewise_us": host_us(step, calls=20)}
