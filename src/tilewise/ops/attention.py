@@ -35,6 +35,8 @@ Conventions (the flash-attn ones):
   multiple of heads_kv, and query head h reads key/value head h // (heads_q // heads_kv).
 - With cu_seqlens (int32, batch+1 increasing offsets) q, k, v are packed (total_tokens, heads, head_dim)
   and no token attends across a document boundary.
+- flash_attention_qkv(qkv, heads_kv) takes q, k, v as one (..., heads_q + 2 * heads_kv, head_dim) tensor,
+  the output of a fused projection, and gives it one gradient (split views would get three, concatenated).
 - causal with seqlen_q != seqlen_k aligns the mask to the bottom-right: query i sees keys
   j <= i + seqlen_k - seqlen_q. window=(left, right) keeps keys with
   i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 means unbounded.
