@@ -632,6 +632,7 @@ class _Kernel:
         self.interpret_config = _INTERPRET_CONFIG[name] if interpret_config is None else interpret_config
         self.env_var = env_var
         self.chosen = {}   # key -> config
+        self.bound = {}    # key -> (config, its BoundLauncher), from the key's second call on
         self.failed = {}   # key -> NoConfigError
         self.timings = {}  # key -> {config: ms, or the error it raised, or None when untimed}
         self.described = {}  # key -> its fields by name, for tuning_report()
@@ -652,12 +653,20 @@ class _Kernel:
                       num_stages=stages)
 
     def __call__(self, key, grid, args, consts):
+        bound = self.bound.get(key)
+        if bound is not None:   # the launcher with this key's constexprs and options fixed: no kwargs to hash
+            bm, bn = bound[0][:2]
+            bound[1](grid(bm, bn), *args(bm, bn))
+            return
         cfg = self.chosen.get(key)
         if cfg is None:
             cfg, done = self._choose(key, grid, args, consts)
             if done:  # the untimed choice has just run with these arguments
                 return
         self.launch(cfg, grid, args, consts)
+        bm, bn, warps, stages = cfg
+        self.bound[key] = (cfg, self.launcher.bind(**consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                   num_stages=stages))
 
     def _choose(self, key, grid, args, consts):
         if key in self.failed:
@@ -712,6 +721,7 @@ def set_candidates(name, configs, head_dim=None):
 def reset_tuning(kernels=None):
     for kern in _KERNELS if kernels is None else kernels:
         kern.chosen.clear()
+        kern.bound.clear()
         kern.failed.clear()
         kern.timings.clear()
         kern.described.clear()
