@@ -1174,12 +1174,17 @@ def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, wind
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1])
+    out, lse = FlashAttnQKVFunction.apply(qkv, heads_kv,
+                                          *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen))
+    return (out, lse) if return_lse else out
+
+
+def _kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen):
+    """(cu_seqlens, max_seqlen, softmax_scale, left, right) as the launchers take them."""
     left, right = _effective_window(causal, window)
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    out, lse = FlashAttnQKVFunction.apply(qkv, heads_kv, cu_seqlens, int(max_seqlen or 0), float(softmax_scale),
-                                          left, right)
-    return (out, lse) if return_lse else out
+    return cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right
 
 
 def _effective_window(causal, window):
@@ -1201,10 +1206,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q) and q.dtype != torch.float64:
-        left, right = _effective_window(causal, window)
-        if cu_seqlens is not None and max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        args = (q, k, v, cu_seqlens, int(max_seqlen or 0), float(softmax_scale), left, right)
+        args = (q, k, v, *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen))
         if torch.compiler.is_compiling():
             out, lse = torch.ops.tilewise.flash_attn_fwd(*args)
         else:
