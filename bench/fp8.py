@@ -373,12 +373,11 @@ def sweep(args, timer, deadline):
                                   "best_per_width": {str(N): min(complete, key=lambda c: complete[c][N])
                                                      for N in SWEEP_WIDTHS}}
         record.setdefault("_candidates", {})[kind] = by_name
-    # x and dy are the same kernel; the transposing tile serves both: the better of the two winners
+    # x's winner is the transposing tile; dy's, the tile of the cast with the column sums
     chosen, cand = record["chosen"], record.pop("_candidates", {})
-    if "x" in chosen and "dy" in chosen:
-        pair = {chosen["x"]["config"], chosen["dy"]["config"]}
-        both = {c: sum(record["ms"][k][c][N] for k in ("x", "dy") for N in SWEEP_WIDTHS) for c in pair}
-        fc._TILES["t"] = tuple(cand["x"][min(both, key=both.get)])
+    for kind, table_key in (("x", "t"), ("dy", "sums")):
+        if kind in chosen:
+            fc._TILES[table_key] = tuple(cand[kind][chosen[kind]["config"]])
     if "block" in chosen:
         fc._BLOCK_WARPS = int(cand["block"][chosen["block"]["config"]])
     record["applied"] = {"_TILES": {k: list(v) for k, v in fc._TILES.items()}, "_BLOCK_WARPS": fc._BLOCK_WARPS}
@@ -443,6 +442,7 @@ def diagnose_nan(args) -> dict:
     variants = [("delayed", True, "none"), ("delayed", False, "none"), ("delayed", False, "ddp"),
                 ("delayed", True, "ddp"), ("current", True, "none"), ("blockwise", True, "none")]
     report["instrumented"] = []
+    default_widen = fp8_linear.WIDEN_FP32_RESULTS
     for recipe, widen, strategy in variants:
         fp8_linear.WIDEN_FP32_RESULTS = widen
         try:
@@ -450,7 +450,7 @@ def diagnose_nan(args) -> dict:
         except Exception as e:  # noqa: BLE001 - one variant's crash is a finding too
             res = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         finally:
-            fp8_linear.WIDEN_FP32_RESULTS = True
+            fp8_linear.WIDEN_FP32_RESULTS = default_widen
         res.update(recipe=recipe, widen_fp32_results=widen, strategy=strategy)
         report["instrumented"].append(res)
         print(f"instrumented {recipe} widen={widen} {strategy}: losses {res.get('losses')} "
@@ -481,7 +481,7 @@ def diagnose_nan(args) -> dict:
         except Exception as e:  # noqa: BLE001
             res = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         finally:
-            fp8_linear.WIDEN_FP32_RESULTS = True
+            fp8_linear.WIDEN_FP32_RESULTS = default_widen
         res["run"] = name
         report["trainer"].append(res)
         print(f"trainer {name}: {res.get('losses', res.get('error'))}", flush=True)

@@ -414,8 +414,8 @@ def poisoned_allocator(nbytes, device="cuda"):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_scaled_mm_outputs_agree_with_dequantized_product(out_dtype):
     """torch._scaled_mm's fp32 and bf16 outputs (E4M3 x E4M3 and E5M2 x E4M3, tensorwise) against the fp32
-    product of the dequantized operands, on output memory left full of NaN. Fp8Linear widens bf16 results
-    rather than asking for fp32 (WIDEN_FP32_RESULTS); this tells whether it has to."""
+    product of the dequantized operands, on output memory left full of NaN. Fp8Linear asks for fp32 results
+    (the weight gradient of fp32 master weights) unless WIDEN_FP32_RESULTS; this tells whether it may."""
     torch.manual_seed(0)
     problems = []
     for M, K, N in ((2048, 512, 1536), (4096, 2048, 512)):

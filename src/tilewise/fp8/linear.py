@@ -14,7 +14,9 @@ Each copy comes with the inverse scales _scaled_mm multiplies back in:
   dimension rounded up to 4 blocks in cuBLAS, checked differently across torch versions). Row counts are
   padded to a multiple of 128 so every block of the weight-gradient contraction is whole.
 Fast accumulation only in the per-tensor forward GEMM. GEMM results wanted in fp32 (the weight gradient of
-fp32 master weights, dx of an fp32 input) come out of the GEMM in bf16 and are widened (WIDEN_FP32_RESULTS).
+fp32 master weights, dx of an fp32 input) come out of the GEMM in fp32: cuBLASLt writes its fp32 accumulator
+as it is, which costs 2 more bytes an element than a bf16 result and saves the kernel that would widen one
+(read 2, write 4). WIDEN_FP32_RESULTS = True goes back to bf16 results widened afterwards.
 The weight is cast once per optimizer step: the copy (and the bias in the output dtype) is cached under
 (weight._version, data pointer, state generation), so a micro-batch reuses it, and Fp8State.step() or any
 in-place change of the weight (optimizer.step, load_state_dict) makes the next forward cast again. The layer
@@ -101,15 +103,16 @@ def _widen(y, out_dtype, bias):
     return torch.add(bias, y) if bias is not None else y.to(out_dtype)
 
 
-# fp32 GEMM results are computed in bf16 and widened (see _gemm_per_tensor). bench/fp8.py --diagnose-nan
-# turns this off to try torch._scaled_mm's own fp32 output on the GPU.
-WIDEN_FP32_RESULTS = True
+# True: fp32 GEMM results are computed in bf16 and widened by a second kernel (see _gemm_per_tensor). It was
+# the default while the FP8 NaNs of the H200 were unexplained; their cause was the casts' transposes (a920bf1),
+# and the gpu tests check _scaled_mm's fp32 output on NaN-poisoned memory.
+WIDEN_FP32_RESULTS = False
 
 
 def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
-    """An fp32 result (the weight gradient of fp32 master weights, dx of an fp32 input) is computed in bf16
-    and widened: the rounding adds 2^-9 relative error per element, far below the FP8 operands' ~2^-4, halves
-    the GEMM's writes, and keeps to the 16-bit outputs that the GPU tests cover."""
+    """An fp32 result (the weight gradient of fp32 master weights, dx of an fp32 input) is the GEMM's own
+    fp32 output, or with WIDEN_FP32_RESULTS a bf16 one widened (2^-9 relative error per element, far below
+    the FP8 operands' ~2^-4)."""
     if out_dtype == torch.float32 and WIDEN_FP32_RESULTS:
         y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), out_dtype=torch.bfloat16,
                              use_fast_accum=fast_accum)

@@ -25,11 +25,15 @@ and a kernel that writes only the transposed copy is correct with either. So a f
 weight, cast once per optimizer step) takes two passes, the row-major copy and then the transposed one; the
 gpu tests compare every copy bitwise against torch's cast for each input dtype and tile, and
 bench/fp8_transpose_probe.py tells whether a Triton upgrade makes the split unnecessary.
-Column sums: a pass of their own after the cast, a second read of the tensor, each program adding up many
-row tiles elementwise before one reduction across its rows. Fused into the cast kernels (per 32-row partials)
-they cost more than that read: the sum across a tile's rows takes shuffles and barriers on every tile, and
-the dy cast ran at 0.25-0.30 of copy bandwidth on the H200 against 0.81-0.84 without them (bench/fp8.py at
-e387e02). torch.sum in their place ran at about 1 TB/s on 768 columns (aad900b).
+Column sums (per-tensor casts): from the cast's own read of the tensor. The cast kernel with COL_SUMS runs
+over (column blocks, parts) instead of one program a tile: each program casts a run of row tiles of its
+column block exactly as the tile cast does, adds them up elementwise in an fp32 register tile, and ends
+with one reduction across its rows, one partial row, which sum_partials (norm's second stage) adds up;
+with delayed scaling its amax, likewise, is one atomic a program. A first fusion reduced across every
+tile's rows (per 32-row partials), shuffles and barriers on every tile, and the dy cast ran at 0.25-0.30
+of copy bandwidth on the H200 against 0.81-0.84 without the sums (bench/fp8.py at e387e02); the sums then
+took a pass of their own, a second read of the tensor. The amortized fusion's speed is to be measured on
+the GPU (bench/fp8.py, the "dy" rows). The 1x128 block cast keeps that separate pass (_column_sums).
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
 every new shape and cannot run inside a CUDA graph capture. `bench/fp8.py --sweep` times the candidates
 (_CAST_CONFIGS) on the GPU. A kernel variant that does not compile on the machine at hand falls back to a
@@ -141,18 +145,10 @@ def _saturate_to_fp8(v, like_ptr, fp8_max, EXACT_ROUND: tl.constexpr, EMIN: tl.c
 
 
 @triton.jit
-def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, gelu_bias_ptr,
-                     fp8_max, inv_margin,
-                     CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
-                     ACC_AMAX: tl.constexpr, GELU: tl.constexpr, GELU_BIAS: tl.constexpr, EXACT_ROUND: tl.constexpr,
-                     EMIN: tl.constexpr, MBITS: tl.constexpr, PARTS: tl.constexpr,
-                     PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per-tensor cast of one tile. CURRENT: the scale comes from the amax partials in scratch, and
-    program (0, 0) publishes [scale, 1/scale] there and folds the amax into amax_acc. GELU: x is a
-    pre-activation; the tile cast (and its amax) is gelu_tanh(x + gelu_bias) (never written in 16 bits)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _tensor_scale(scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, fp8_max, inv_margin, CURRENT: tl.constexpr,
+                  ACC_AMAX: tl.constexpr, PARTS: tl.constexpr, PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr):
+    """The per-tensor scale. CURRENT: from the amax partials in scratch, and program (0, 0) (of either grid)
+    publishes [scale, 1/scale] there and folds the amax into amax_acc, so each happens once a launch."""
     if CURRENT:
         idx = tl.arange(0, PARTS)
         parts = tl.load(scratch_ptr + PARTS_AT + idx, mask=idx < n_parts, other=0.0)
@@ -163,16 +159,23 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
         ok = (amax > 0.0) & (amax <= 3.4028234663852886e38)
         fresh = tl.math.div_rn(fp8_max, tl.where(ok, amax, fp8_max)) * inv_margin
         scale = tl.where(ok & (fresh <= 3.4028234663852886e38), fresh, fallback)
-        if (pid_m == 0) & (pid_n == 0):
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scratch_ptr, scale)
             tl.store(scratch_ptr + SCALE_INV_AT, tl.math.div_rn(1.0, scale))
             if ACC_AMAX:
                 tl.atomic_max(amax_acc_ptr, amax_bits)
     else:
         scale = tl.load(scale_ptr)
+    return scale
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _cast_tile(x_ptr, y_ptr, yt_ptr, M, N, offs_m, offs_n, scale, gelu_bias_ptr, fp8_max,
+               WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr, GELU: tl.constexpr, GELU_BIAS: tl.constexpr,
+               EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Casts the tile at rows offs_m, columns offs_n and returns what it cast in float32, 0 outside x (for
+    the amax and the column sums). Offsets in int32: the launcher keeps M * N under _MAX_ELEMENTS."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if GELU:
@@ -184,8 +187,48 @@ def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts
         tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
     if WRITE_T:
         tl.store(yt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(y), mask=tl.trans(mask))
-    if ACC_AMAX and not CURRENT:
-        tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
+    return x
+
+
+@triton.jit
+def _fp8_cast_kernel(x_ptr, y_ptr, yt_ptr, M, N, scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, gelu_bias_ptr,
+                     part_ptr, tiles_per_program, fp8_max, inv_margin,
+                     CURRENT: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_T: tl.constexpr,
+                     ACC_AMAX: tl.constexpr, GELU: tl.constexpr, GELU_BIAS: tl.constexpr, COL_SUMS: tl.constexpr,
+                     EXACT_ROUND: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, PARTS: tl.constexpr,
+                     PARTS_AT: tl.constexpr, SCALE_INV_AT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-tensor cast (scale: _tensor_scale). GELU: x is a pre-activation; the tile cast (and its amax) is
+    gelu_tanh(x + gelu_bias) (never written in 16 bits).
+    Without COL_SUMS, program (m, n) casts tile (m, n). With COL_SUMS, program (n, r) casts row tiles
+    r * tiles_per_program ... of column block n, adds them up elementwise in fp32 and writes one partial
+    row, part[r] (summed over r by sum_partials), and the amax folds once a program: one cross-warp
+    reduction and one atomic a program, not one a tile."""
+    scale = _tensor_scale(scale_ptr, scratch_ptr, n_parts, amax_acc_ptr, fp8_max, inv_margin, CURRENT, ACC_AMAX,
+                          PARTS, PARTS_AT, SCALE_INV_AT)
+    if COL_SUMS:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = tl.program_id(1) * tiles_per_program
+        last = tl.minimum(first + tiles_per_program, tl.cdiv(M, BLOCK_M))
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        amax_bits = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        for tile in range(first, last):
+            x = _cast_tile(x_ptr, y_ptr, yt_ptr, M, N, tile * BLOCK_M + tl.arange(0, BLOCK_M), offs_n, scale,
+                           gelu_bias_ptr, fp8_max, WRITE_Y, WRITE_T, GELU, GELU_BIAS, EXACT_ROUND, EMIN, MBITS,
+                           BLOCK_M, BLOCK_N)
+            acc += x
+            if ACC_AMAX and not CURRENT:
+                amax_bits = tl.maximum(amax_bits, _abs_bits(x))
+        # part has (rows of programs) x N elements, at most M * N; int64 as in _col_sums_kernel
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * N + offs_n, tl.sum(acc, axis=0), mask=offs_n < N)
+        if ACC_AMAX and not CURRENT:
+            tl.atomic_max(amax_acc_ptr, tl.max(tl.max(amax_bits, axis=1), axis=0))
+    else:
+        x = _cast_tile(x_ptr, y_ptr, yt_ptr, M, N, tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M),
+                       tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), scale, gelu_bias_ptr, fp8_max,
+                       WRITE_Y, WRITE_T, GELU, GELU_BIAS, EXACT_ROUND, EMIN, MBITS, BLOCK_M, BLOCK_N)
+        if ACC_AMAX and not CURRENT:
+            tl.atomic_max(amax_acc_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
 
 @triton.jit
@@ -232,12 +275,18 @@ def _fp8_block_cast_kernel(x_ptr, y_ptr, yt_ptr, ys_ptr, yts_ptr, M, N, amax_acc
 _CAST_CONFIGS = [(64, 64, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8), (32, 128, 4), (32, 256, 8),
                  (128, 128, 8), (128, 128, 16)]
 _BLOCK_WARPS_CONFIGS = [8, 16]
-# The per-tensor tile by pass: "t" writes a transposed copy (with or without y), "y" only the row-major one.
+# The per-tensor tile by pass: "t" writes a transposed copy (with or without y), "y" only the row-major one,
+# "sums" either or both with the column sums (the dy cast; each program walks several row tiles of it).
 # A memory-bound cast wants bytes in flight: sm_90 builds (16-byte aligned pointers, as Fp8Linear's are)
 # of 64 x 128 with 8 warps take 40-62 registers a thread, so six programs share an SM (96 KB of reads in
 # flight), where 128 x 128 takes 127 (two programs, 64 KB). A transposed FP8 copy wants BLOCK_M >= 32 (its
-# rows are BLOCK_M bytes: at least one 32-byte sector). The H200 sweep has the last word.
-_TILES = {"t": (64, 128, 8), "y": (64, 128, 8)}
+# rows are BLOCK_M bytes: at least one 32-byte sector). The column sums' loop holds an fp32 accumulator and
+# the running |x| bits (register tiles both, so the reductions come once a program) besides the tile itself,
+# and the transposed store's shared-memory addresses are hoisted out of it: with delayed scaling the sm_90
+# builds of 64 x 64 x 4 take 128 registers a thread (Triton 3.6) or 168 (3.9), four or three programs an SM,
+# and 64 x 128 x 8 128 or 173, two or one; one H200 timing (outside bench/) put 64 x 64 x 4 ahead at widths
+# 768 to 14336. The H200 sweep has the last word.
+_TILES = {"t": (64, 128, 8), "y": (64, 128, 8), "sums": (64, 64, 4)}
 # The block-scaling cast's warps (its tile is fixed at 128 x 128): 16 warps take 99 registers a thread, 8
 # take 182, 4 spill.
 _BLOCK_WARPS = 16
@@ -260,15 +309,16 @@ _col_sums_launcher = FastLauncher(_col_sums_kernel)
 _PLANS: dict = {}
 
 
-def _cast_plan(current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu=False, gelu_bias=False):
-    key = ("cast", current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu, gelu_bias)
+def _cast_plan(current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu=False, gelu_bias=False,
+               col_sums=False):
+    key = ("cast", current, write_y, write_t, acc_amax, fp8_dtype, tile, gelu, gelu_bias, col_sums)
     plan = _PLANS.get(key)
     if plan is None:
         emin, mbits = _FP8_GRID[fp8_dtype]
         bm, bn, warps = tile
         plan = _PLANS[key] = _cast_launcher.bind(
             CURRENT=current, WRITE_Y=write_y, WRITE_T=write_t, ACC_AMAX=acc_amax, GELU=gelu, GELU_BIAS=gelu_bias,
-            EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
+            COL_SUMS=col_sums, EXACT_ROUND=_INTERPRET, EMIN=emin, MBITS=mbits, PARTS=_PARTS, PARTS_AT=_PARTS_AT,
             SCALE_INV_AT=SCALE_INV_OFFSET, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return plan
 
@@ -346,14 +396,22 @@ _col_sums_gpu = _col_sums_launcher.bind(BLOCK_M=_COL_SUMS_TILE[0], BLOCK_N=_COL_
 _col_sums_interpreted = _col_sums_launcher.bind(BLOCK_M=16, BLOCK_N=32, NUM_STAGES=3, num_warps=4, num_stages=3)
 
 
+def _row_split(M, N, bm, bn) -> tuple:
+    """(row tiles a program, programs a column block) for about _COL_SUMS_PROGRAMS programs of bm x bn tiles;
+    every program gets at least one tile, so every partial row is written."""
+    tiles = cdiv(M, bm)
+    per = cdiv(tiles, max(1, min(tiles, _COL_SUMS_PROGRAMS // cdiv(N, bn))))
+    return per, cdiv(tiles, per)
+
+
 def _column_sums(x, col_sums) -> None:
-    """col_sums = x.sum(0) in fp32: partial rows from _col_sums_kernel, summed by norm's second stage."""
+    """col_sums = x.sum(0) in fp32 (the block cast's): partial rows from _col_sums_kernel, summed by norm's
+    second stage."""
     M, N = x.shape
     on_gpu = _on_gpu(x)
     bm, bn = _COL_SUMS_TILE[:2] if on_gpu else (16, 32)
-    tiles, n_col = cdiv(M, bm), cdiv(N, bn)
-    per = cdiv(tiles, max(1, min(tiles, _COL_SUMS_PROGRAMS // n_col)))
-    parts = cdiv(tiles, per)   # every program gets at least one tile, so every partial row is written
+    n_col = cdiv(N, bn)
+    per, parts = _row_split(M, N, bm, bn)
     part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
     launch = _col_sums_gpu if on_gpu else _col_sums_interpreted
     if _compiled(("col_sums",), lambda: "_col_sums_kernel", lambda: launch((n_col, parts), x, part, M, N, per)):
@@ -371,11 +429,11 @@ def _with_col_sums(x, col_sums, key, name, launch) -> bool:
     return True
 
 
-def cast_tiles(x, y, yt) -> tuple:
+def cast_tiles(x, y, yt, col_sums=None) -> tuple:
     """The per-tensor cast's ((BLOCK_M, BLOCK_N, num_warps),) for this pass on this device."""
     if not _on_gpu(x):
         return (_INTERPRETER_TILE,)
-    return (_TILES["t" if yt is not None else "y"],)
+    return (_TILES["sums" if col_sums is not None else "t" if yt is not None else "y"],)
 
 
 def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtype, margin, current,
@@ -385,37 +443,48 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
     scratch, n_parts: current scaling's buffer and how many amax partials _launch_amax wrote in it.
     tiles: ((BLOCK_M, BLOCK_N, num_warps), ...), each run in turn on the same buffers (a rerun must leave
     the same result: the tests check it); default cast_tiles(). gelu: cast gelu_tanh(x + gelu_bias) instead
-    (delayed scaling: the amax pass of current scaling reads x itself).
+    (delayed scaling: the amax pass of current scaling reads x itself). col_sums: x.sum(0) from the cast's
+    own read (COL_SUMS: partial rows, then sum_partials); the sum of x, so never with gelu.
     """
     M, N = x.shape
     if M * N > _MAX_ELEMENTS:
         raise ValueError(f"fp8 cast: x is {M} x {N}; at most {_MAX_ELEMENTS} elements are supported")
-    tiles = tuple(tiles) if tiles is not None else cast_tiles(x, y, yt)
+    sums = col_sums is not None
+    if gelu and sums:   # the bias gradient is of dy, which is never cast through a GELU
+        raise ValueError("fp8 cast: col_sums would sum x, not the GELU output the cast quantizes")
+    tiles = tuple(tiles) if tiles is not None else cast_tiles(x, y, yt, col_sums)
     write_y, write_t, acc = y is not None, yt is not None, amax_i32 is not None
     scratch = scratch if scratch is not None else scale
     amax_arg = amax_i32 if acc else scale.view(torch.int32)   # a stand-in when ACC_AMAX is off (never written)
     # a copy not asked for gets the other's pointer (never written: its WRITE_* is off)
     has_bias = gelu_bias is not None
     gb = gelu_bias if has_bias else scale                     # a stand-in when there is none (never read)
-    args = (x, y if write_y else yt, yt if write_t else y, M, N, scale, scratch, n_parts, amax_arg, gb)
     tail = (FP8_MAX[fp8_dtype], 2.0 ** -margin)
     split = write_y and write_t and x.dtype not in _FUSED_COPIES_DTYPES
+    # the first launch writes y (or the one copy asked for) and folds the amax; split: then yt alone
+    first_y, first_t = write_y, write_t and not split
+    first_args = (x, y if write_y else yt, yt if first_t else y, M, N, scale, scratch, n_parts, amax_arg, gb)
 
     def launch():
         for tile in tiles:
             grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
-            if split:  # the row-major copy with the amax, then the transposed copy alone
-                _cast_plan(current, True, False, acc, fp8_dtype, tile, gelu, has_bias)(
-                    grid, x, y, y, M, N, scale, scratch, n_parts, amax_arg, gb, *tail)
-                _cast_plan(current, False, True, False, fp8_dtype, tile, gelu, has_bias)(
-                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, gb, *tail)
+            if sums:   # one partial row per program of the (column blocks, parts) grid, then their sum
+                per, parts = _row_split(M, N, tile[0], tile[1])
+                part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
+                _cast_plan(current, first_y, first_t, acc, fp8_dtype, tile, gelu, has_bias, True)(
+                    (grid[1], parts), *first_args, part, per, *tail)
+                sum_partials(part, parts, col_sums)
             else:
-                _cast_plan(current, write_y, write_t, acc, fp8_dtype, tile, gelu, has_bias)(grid, *args, *tail)
+                _cast_plan(current, first_y, first_t, acc, fp8_dtype, tile, gelu, has_bias)(
+                    grid, *first_args, scale, 1, *tail)   # part_ptr, tiles_per_program: unused
+            if split:
+                _cast_plan(current, False, True, False, fp8_dtype, tile, gelu, has_bias)(
+                    grid, x, yt, yt, M, N, scale, scratch, n_parts, amax_arg, gb, scale, 1, *tail)
 
-    key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles, gelu, has_bias)
+    key = ("cast", current, write_y, write_t, acc, x.dtype, fp8_dtype, tiles, gelu, has_bias, sums)
     name = lambda: (f"_fp8_cast_kernel(CURRENT={current}, WRITE_Y={write_y}, WRITE_T={write_t}, ACC_AMAX={acc}, "
-                    f"GELU={gelu}, tiles={tiles})")
-    return _with_col_sums(x, col_sums, key, name, launch)
+                    f"GELU={gelu}, COL_SUMS={sums}, tiles={tiles})")
+    return _compiled(key, name, launch)
 
 
 def _launch_block_cast(x, y, yt, ys, yts, amax_i32, col_sums, fp8_dtype, warps=None) -> bool:
