@@ -26,7 +26,9 @@ Flash attention: the N x N scores never reach HBM.
   (another Triton), the pointer path takes over by itself.
 - Tiles: each kernel has a short list of (BLOCK_M, BLOCK_N, warps, stages) candidates per head_dim (CONFIGS);
   the first call with a new key (head_dim, mask, dtype, sequence-length class) times them and keeps the
-  fastest. TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS replaces the lists.
+  fastest over 100 ms of calls each (TUNE_REP_MS): long enough for the clocks to settle as in training,
+  where a 25 ms timing picked a config the H200 ran at 1980 MHz for a moment and at 1755 MHz sustained
+  (bench/attention_clocks.py). TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS replaces the lists.
   Launches go through ops.launch.FastLauncher: after a key's first call the compiled kernel is launched
   directly (Triton's per-launch Python made short sequences host-bound on the H200's host).
 
@@ -590,6 +592,9 @@ CONFIGS = {
            128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma")],
            256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2, "tma")]},
 }
+# The tuner's timing of a candidate: as the benchmark's (shared/BENCH.md), so a config whose clocks drop
+# under sustained load is timed at the speed it keeps (see the module docstring).
+TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100
 _INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads, batch); a larger batch is launched in chunks
 
@@ -680,8 +685,8 @@ class _Kernel:
                 if not timed:
                     results[cfg], best = None, cfg
                     break
-                ms = triton.testing.do_bench(lambda: self.launch(cfg, grid, args, consts), warmup=5, rep=25,
-                                             return_mode="median")
+                ms = triton.testing.do_bench(lambda: self.launch(cfg, grid, args, consts), warmup=TUNE_WARMUP_MS,
+                                             rep=TUNE_REP_MS, return_mode="median")
             except Exception as e:  # noqa: BLE001 - any failure of one config (compiler, resources, launch)
                 if _INTERPRET:
                     raise
