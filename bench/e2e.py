@@ -42,6 +42,7 @@ PEAK = 989e12
 SHAPES = {"gpt2-124m": (32, 1024), "gpt-1.3b": (8, 2048)}
 VOCAB, REAL_VOCAB = 50304, 50257
 LOSS_TOLERANCE = {"bf16": 1e-2, "fp8": 3e-2}   # relative difference of the final loss from the baseline's
+DEFAULTS = {"configs": "gpt2-124m,gpt-1.3b", "fp8": "gpt-1.3b"}   # --configs, --fp8
 
 # Kernel kinds, tried in order; anything else is memory-bound (norms, activations, casts, cross-entropy,
 # embeddings, copies). Attention first: flash kernels' template names mention cutlass.
@@ -221,7 +222,9 @@ def run_config(name: str, args) -> list[dict]:
 
 
 def write(rows: list[dict], args) -> None:
-    command = "TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "BENCH_TIMEOUT=480 ") + "bash bench/h200.sh e2e"
+    extra = " ".join(f"--{k} {getattr(args, k)}" for k in ("configs", "fp8") if getattr(args, k) != DEFAULTS[k])
+    command = ("TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "BENCH_TIMEOUT=480 ")
+               + (f'BENCH_ARGS="{extra}" ' if extra else "") + "bash bench/h200.sh e2e")
     result = {"area": "e2e", **environment(), "command": command, "rows": rows}
     for d in filter(None, [os.path.join(HERE, "results"), args.out]):
         os.makedirs(d, exist_ok=True)
@@ -232,8 +235,8 @@ def write(rows: list[dict], args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="also write e2e.json into this directory")
-    p.add_argument("--configs", default="gpt2-124m,gpt-1.3b")
-    p.add_argument("--fp8", default="gpt-1.3b", help="configs also timed with FP8 linears (comma list, '' for none)")
+    p.add_argument("--configs", default=DEFAULTS["configs"])
+    p.add_argument("--fp8", default=DEFAULTS["fp8"], help="configs also timed with FP8 linears (comma list, '' for none)")
     p.add_argument("--warmup", type=int, default=WARMUP_STEPS + 1,
                    help=f"untimed steps (more than the {WARMUP_STEPS} eager steps before a graph's capture)")
     p.add_argument("--steps", type=int, default=20)

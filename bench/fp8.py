@@ -217,8 +217,11 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
             notes[name] = f"outputs disagree with fp32: {e}"
             methods.pop(name)
     times_ct = {}   # the backward on the calling thread (as the tilewise trainer runs it), every method alike
+    allocator = {}  # the caching allocator's cudaMalloc/cudaFree calls and retries during each timing
     for name, fn in methods.items():
+        before = allocator_counts(timer)
         times[name] = timer.ms(fn)
+        allocator[name] = allocator_counts(timer, before)
         if timer.cuda:
             with torch.autograd.set_multithreading_enabled(False):
                 times_ct[name] = timer.ms(fn)
@@ -241,7 +244,8 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
            "best_recipe_ratio_best_peer": best_tw / max(peers) if best_tw and peers else None,
            "ratio_torchao_calling_thread": (times_ct["torchao"] / times_ct["tilewise"]
                                             if "tilewise" in times_ct and "torchao" in times_ct else None),
-           "detail": {"ms": times, "calling_thread_ms": times_ct, "graph_ms": graphs, "host_us_per_iter": hosts, "rel_err_vs_fp32": errs,
+           "detail": {"ms": times, "calling_thread_ms": times_ct, "graph_ms": graphs, "host_us_per_iter": hosts,
+                      "allocator_during_ms": allocator, "rel_err_vs_fp32": errs,
                       "notes": notes}}
     gemm_row = bench_gemms(model, K, N, M, xs[0].detach(), dys[0], base.weight.detach(), timer)
     if times.get("tilewise"):  # what the casts, scales and launches cost on top of the GEMMs
@@ -297,6 +301,16 @@ def bench_gemms(model, K, N, M, x, dy, w, timer):
 # ----------------------------------------------------------------------------------------------------
 # The cast kernels: GB/s, and the tile sweep
 # ----------------------------------------------------------------------------------------------------
+def allocator_counts(timer, before=None):
+    """cudaMalloc and cudaFree calls and allocation retries so far (a cudaFree synchronizes the device), or
+    their increase since `before`; None off the GPU."""
+    if not timer.cuda:
+        return None
+    stats = torch.cuda.memory_stats()
+    now = {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    return now if before is None else {k: now[k] - before[k] for k in now}
+
+
 def cast_calls(t, fp8_dtype, kind, tiles=None, warps=None):
     """fn() running one cast pass of Fp8Linear's on t: "x" (copy + transposed copy + amax, delayed), "dy"
     (the same with the bias gradient's column sums), "block" (1x128 block cast, both copies)."""

@@ -764,9 +764,8 @@ def _new(shape, dtype, device):
 
 def _seq_strides(t, packed):
     """(batch, seq, head) strides; a packed tensor has no batch stride (documents are row ranges)."""
-    if packed:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+    st = t.stride()
+    return (0, st[0], st[1]) if packed else st[:3]
 
 
 @functools.lru_cache(maxsize=None)
@@ -789,15 +788,16 @@ def _tma_mode(device) -> str:
 
 def _tma_layout_ok(t, packed) -> bool:
     """A (rows, heads * head_dim) 2-D view with 16-byte aligned rows exists: TMA can tile it."""
-    d = t.shape[-1]
+    shape, st = t.shape, t.stride()
+    d = shape[-1]
     if t.dtype not in (torch.float16, torch.bfloat16) or d < 16 or d & (d - 1) or t.numel() == 0:
         return False
-    heads, row_stride = t.shape[-2], t.stride(-3)
-    if t.stride(-1) != 1 or t.stride(-2) != d or row_stride < heads * d:
+    heads, row_stride = shape[-2], st[-3]
+    if st[-1] != 1 or st[-2] != d or row_stride < heads * d:
         return False
     if (row_stride * t.element_size()) % 16 or t.data_ptr() % 16:
         return False
-    return packed or t.shape[0] == 1 or t.stride(0) == t.shape[1] * row_stride
+    return packed or shape[0] == 1 or st[0] == shape[1] * row_stride
 
 
 def _fast_descriptor(defaults, t, shape, strides, block):

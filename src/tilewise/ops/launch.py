@@ -117,22 +117,20 @@ def _arg_class(a):
 _INT_CLASSES: dict = {}   # int -> _int_class: launches pass the same sizes and strides again and again
 
 
+def _int_class_memo(a: int):
+    c = _int_class(a)
+    if len(_INT_CLASSES) < 1 << 16:
+        _INT_CLASSES[a] = c
+    return c
+
+
 def _arg_classes(args) -> tuple:
-    """_arg_class of every argument, with the int and tensor cases inline (this runs on every launch)."""
-    out = []
-    for a in args:
-        if a.__class__ is int:
-            c = _INT_CLASSES.get(a)
-            if c is None:
-                c = _int_class(a)
-                if len(_INT_CLASSES) < 1 << 16:
-                    _INT_CLASSES[a] = c
-        elif isinstance(a, torch.Tensor):
-            c = (a.dtype, a.data_ptr() & 15 == 0)
-        else:
-            c = _scalar_class(a)
-        out.append(c)
-    return tuple(out)
+    """_arg_class of every argument, with the int and tensor cases inline (this runs on every launch; one
+    comprehension, since a loop's appends cost as much again). Int classes are never 0, so `or` finds misses."""
+    get, tensor = _INT_CLASSES.get, torch.Tensor
+    return tuple([(get(a) or _int_class_memo(a)) if a.__class__ is int
+                  else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, tensor)
+                  else _scalar_class(a) for a in args])
 
 
 def _meta_key(meta: dict) -> tuple:
