@@ -625,6 +625,35 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(path, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
+    """A padded-batch forward called again with one call signature launches through its plan (_forward_plan):
+    bitwise the keyed path's output and LSE, with the new tensors' values; a q of another alignment is
+    another signature, and right too."""
+    tma(path)
+    q, k, v = qkv(2, 1200, 1200, 16, 4, 128, device="cuda")
+    call = lambda *t: flash_attention(*t, causal=True, return_lse=True)  # noqa: E731
+    before = set(attn._FWD.plans)
+    for _ in range(3):
+        call(q, k, v)
+    (sig,) = [s for s, plan in attn._FWD.plans.items() if plan and s not in before]
+    plan, used = attn._FWD.plans[sig], []
+    q2, k2, v2 = qkv(2, 1200, 1200, 16, 4, 128, device="cuda")
+    try:
+        attn._FWD.plans[sig] = False                       # the keyed path
+        want = call(q2, k2, v2)
+        attn._FWD.plans[sig] = lambda *t: used.append(1) or plan(*t)
+        got = call(q2, k2, v2)
+    finally:
+        attn._FWD.plans[sig] = plan
+    assert used == [1] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    shifted = torch.empty(q2.numel() + 4, dtype=q2.dtype, device="cuda")[4:].view(q2.shape)   # 8-byte aligned
+    shifted.copy_(q2)
+    other = call(shifted, k2, v2)
+    assert _rel(other[0], want[0]) < 1e-2 and (other[1] - want[1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_config_that_cannot_launch_is_skipped(tma, monkeypatch):
     """A candidate far beyond the shared-memory limit (8 stages of 128 x 128 K/V tiles at head_dim 128)
     fails to launch; the next candidate runs, and the failure is on record."""

@@ -188,6 +188,48 @@ def test_calls_the_key_cannot_cover_stay_normal(fake, call):
     assert [c[0] for c in fake.calls] == ["normal"] * 3 and fake.launcher.fast_launches == 0
 
 
+def test_direct_launch_passes_what_the_bound_launch_passes(fake):
+    """BoundLauncher.direct: None until the arguments' classes have a compiled kernel; then a launch whose
+    Triton arguments are the keyed direct launch's, with the new call's values."""
+    bound = fake.launcher.bind(BLOCK=32)
+    x, y = tensors()
+    assert bound.direct((x, y, 64, 0.5, True)) is None          # nothing compiled for these classes yet
+    bound((2,), x, y, 64, 0.5, True)
+    launch_ = bound.direct((x, y, 64, 0.5, True))
+    x2, y2 = tensors(128)
+    launch_((3, 2), x2, y2, 4096, 2.0, False)
+    bound((3, 2), x2, y2, 4096, 2.0, False)
+    assert [c[0] for c in fake.calls] == ["normal", "direct", "direct"]
+    assert fake.calls[1][1] == fake.calls[2][1] == (3, 2, 1, 777, 1234, (4, 1, 0), None, None, None, x2, y2, 4096,
+                                                     2.0, False, 32, 3)
+    assert bound.direct((x[1:], y, 64, 0.5, True)) is None      # an unaligned view: another kernel
+
+
+@pytest.mark.parametrize("how", ["normal_launches()", "a pre-run hook", "a changed global", "another device",
+                                 "a changed knob"])
+def test_direct_launch_takes_the_keyed_path_when(fake, how, monkeypatch):
+    bound = fake.launcher.bind(BLOCK=32)
+    x, y = tensors()
+    bound((1,), x, y, 64, 0.5, True)
+    launch_ = bound.direct((x, y, 64, 0.5, True))
+    if how == "a pre-run hook":
+        fake.kernel.pre_run_hooks.append(lambda *a, **k: None)
+    elif how == "a changed global":
+        scope = {"G": 1}
+        fake.kernel.used_global_vals = {("G", id(scope)): (1, scope)}
+        scope["G"] = 2
+    elif how == "another device":
+        monkeypatch.setattr(launch, "_get_device", lambda: 1)
+    elif how == "a changed knob":
+        monkeypatch.setattr(launch, "_knob_state", lambda: ("changed",))
+    if how == "normal_launches()":
+        with normal_launches():
+            launch_((1,), x, y, 64, 0.5, True)
+    else:
+        launch_((1,), x, y, 64, 0.5, True)
+    assert [c[0] for c in fake.calls] == ["normal", "normal"]
+
+
 @triton.jit
 def _scale_kernel(X, Y, N, alpha, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -62,7 +62,7 @@ import triton.language as tl
 import triton.testing
 
 from .dispatch import use_triton
-from .launch import FastLauncher
+from .launch import FastLauncher, fast_launch_enabled
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -638,6 +638,7 @@ class _Kernel:
         self.env_var = env_var
         self.chosen = {}   # key -> config
         self.bound = {}    # key -> (config, its BoundLauncher), from the key's second call on
+        self.plans = {}    # a caller's call signature -> its direct launch plan (see _attn_forward)
         self.failed = {}   # key -> NoConfigError
         self.timings = {}  # key -> {config: ms, or the error it raised, or None when untimed}
         self.described = {}  # key -> its fields by name, for tuning_report()
@@ -727,6 +728,7 @@ def reset_tuning(kernels=None):
     for kern in _KERNELS if kernels is None else kernels:
         kern.chosen.clear()
         kern.bound.clear()
+        kern.plans.clear()
         kern.failed.clear()
         kern.timings.clear()
         kern.described.clear()
@@ -875,10 +877,10 @@ def _bucket(max_q, max_k):
     return min(max(_pow2(max(max_q, max_k, 1)), 256), 16384)
 
 
-def _run(kern, tma, key, batch, grid, args, consts):
+def _run(kern, tma, key, batch, grid, args, consts) -> bool:
     """Launch over batch chunks of at most 65535 (grid dim 2): on the descriptor path when `tma` is 'auto'
     or 'on', pointer loads when 'off'; 'auto' falls back to pointer loads when no descriptor config of
-    this key compiles (and notes it in `fallbacks`)."""
+    this key compiles (and notes it in `fallbacks`). Returns whether the descriptor path ran."""
     for b0 in range(0, batch, _MAX_GRID_YZ):
         nb = min(batch - b0, _MAX_GRID_YZ)
         g = lambda bm, bn: grid(bm, bn, nb)  # noqa: E731
@@ -892,10 +894,57 @@ def _run(kern, tma, key, batch, grid, args, consts):
                 if not any(f[0] == kern.name and f[1] == key for f in fallbacks):
                     fallbacks.append((kern.name, key, str(e.__cause__ or e)[:300]))
         kern(key + (False,), g, lambda bm, bn: args(bm, bn, False, b0), {**consts, "USE_TMA": False})
+        tma = "off"   # later chunks take the path this one took
+    return tma != "off"
+
+
+_MAX_PLANS = 1024   # call signatures with a plan (a KV-cache decode makes a new one every token: past the
+                    # cap they take the keyed path)
+
+
+def _forward_signature(q, k, v, softmax_scale, left, right):
+    """What fixes every argument of a padded-batch forward launch but the tensors' addresses, and the classes
+    of those: shapes, strides, dtypes, device, 16-byte alignment, the mask, the scale and the TMA switch."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, softmax_scale, left, right,
+            os.environ.get("TILEWISE_ATTN_TMA"))
+
+
+def _forward_plan(key, use_tma, args, grid, lse_shape):
+    """The forward of one call signature as a direct launch (ops.launch.BoundLauncher.direct): the same
+    arguments as the keyed path's, built from the signature's constants and the new tensors; None until the
+    key's config is bound (its second call) and while fast launches are switched off, False where the direct
+    launch does not apply (the interpreter: the signature keeps the keyed path)."""
+    bound = _FWD.bound.get(key + (use_tma,))
+    if bound is None or not fast_launch_enabled():   # fast launches switched off for now: ask again later
+        return None
+    (bm, bn), launcher = bound[0][:2], bound[1]
+    example = args(bm, bn, use_tma, 0)
+    launch = launcher.direct(example)
+    if launch is None:
+        return False
+    scalars, grid = example[9:], grid(bm, bn, example[0].shape[0])
+
+    def forward(q, k, v):
+        out = _new(q.shape, q.dtype, q.device)
+        lse = _new(lse_shape, torch.float32, q.device)
+        descs = ((_descriptor(q, False, bm), _descriptor(k, False, bn), _descriptor(v, False, bn))
+                 if use_tma else (None, None, None))
+        launch(grid, q, k, v, out, lse, None, *descs, *scalars)
+        return out, lse
+    return forward
 
 
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
-    """O (contiguous, q's dtype) and LSE (float32, natural log)."""
+    """O (contiguous, q's dtype) and LSE (float32, natural log). A padded batch's call signature seen before
+    launches through its plan (_forward_plan): the Python below, a third of the forward's host time on the
+    H200's host, runs once per signature."""
+    sig = None
+    if cu_seqlens is None:
+        sig = _forward_signature(q, k, v, softmax_scale, left, right)
+        plan = _FWD.plans.get(sig)
+        if plan:
+            return plan(q, k, v)
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
     out = _new(q.shape, q.dtype, q.device)
@@ -923,7 +972,12 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     consts["VARLEN"] = packed
     consts["SIGN"] = (softmax_scale > 0) - (softmax_scale < 0)
     key = (_bucket(max_q, max_k), q.dtype, *consts.values())
-    _run(_FWD, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
+    grid = lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb)  # noqa: E731
+    use_tma = _run(_FWD, tma, key, batch, grid, args, consts)
+    if sig is not None and sig not in _FWD.plans and batch <= _MAX_GRID_YZ and len(_FWD.plans) < _MAX_PLANS:
+        plan = _forward_plan(key, use_tma, args, grid, lse.shape)
+        if plan is not None:
+            _FWD.plans[sig] = plan
     return out, lse
 
 

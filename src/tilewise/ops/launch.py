@@ -281,3 +281,34 @@ class BoundLauncher:
 
     def __call__(self, grid, *args):
         return self.launcher.launch(grid, args, self.meta, self.meta_key)
+
+    def direct(self, args: tuple):
+        """`launch(grid, *args)` for the compiled kernel that `args` (already launched once) keyed to, without
+        keying each call; None when there is no such kernel or the direct launch does not cover the call.
+        The caller promises that every later call's arguments have the classes of `args` (dtypes, pointer
+        alignments, int classes: its own cache key must imply them). The device, the switch, Triton's knobs
+        and hooks and the kernel's globals are still checked on every call; a call that fails a check takes
+        the keyed path."""
+        fl = self.launcher
+        if not (fl.fast and _ENABLED[0]) or self.meta_key is None:
+            return None
+        if _get_device is None:
+            _bind_driver()
+        device, knobs = _get_device(), _knob_state()
+        try:
+            entry = fl._entries.get((device, knobs, self.meta_key, _arg_classes(args)))
+        except _Unkeyable:
+            return None
+        if entry is None or entry is _NORMAL:
+            return None
+        run, function, metadata, tail = entry.run, entry.function, entry.packed_metadata, entry.tail
+
+        def launch(grid, *a):
+            if not _ENABLED[0] or _get_device() != device or _knob_state() != knobs or fl.kernel.pre_run_hooks \
+                    or _hooks_installed() or fl._globals_changed():
+                return fl.launch(grid, a, self.meta, self.meta_key)
+            n = len(grid)
+            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function, metadata,
+                None, None, None, *a, *tail)
+            fl.fast_launches += 1
+        return launch
