@@ -624,6 +624,34 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(path, tma):
     assert attn._FWD.launcher.fast_launches > before
 
 
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_forward_plan_passes_the_keyed_paths_arguments(path, tma, monkeypatch):
+    """The forward plan (_forward_plan) rebuilds each launch's arguments from the call signature's constants
+    and the new tensors. Here its direct launch hands them to the interpreter (the GPU's direct launch is
+    tests/ops/test_launch.py's): the output and LSE are bitwise the keyed path's, with the new values."""
+    from tilewise.ops import launch
+    tma(path)
+    monkeypatch.setattr(launch.BoundLauncher, "direct",
+                        lambda self, args: lambda grid, *a: self.launcher.kernel[grid](*a, **self.meta))
+    monkeypatch.setattr(attn._FWD, "plans", {})
+
+    def call(*t):
+        with ops.use("triton"):
+            return flash_attention(*t, causal=True, return_lse=True)
+    q, k, v = qkv(2, 45, 38, 4, 2, 32)
+    for _ in range(2):   # the interpreter's one config is bound on the key's second call
+        call(q, k, v)
+    (sig,) = [s for s, plan in attn._FWD.plans.items() if plan]
+    plan, used = attn._FWD.plans[sig], []
+    q2, k2, v2 = qkv(2, 45, 38, 4, 2, 32)
+    attn._FWD.plans[sig] = False                           # the keyed path
+    want = call(q2, k2, v2)
+    attn._FWD.plans[sig] = lambda *t: used.append(1) or plan(*t)
+    got = call(q2, k2, v2)
+    assert used == [1] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert _rel(got[0], attention_reference(q2, k2, v2, causal=True)) < 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["tma", "ptr"])
 def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
