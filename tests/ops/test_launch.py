@@ -136,6 +136,17 @@ def test_key_classes_refine_tritons_specialization():
     assert launch._arg_classes(pool) == tuple(launch._arg_class(a) for a in pool)      # the inline copy
 
 
+def spoil(fake, how):
+    """A pre-run hook on the kernel, or a global it read at compile time changed since: Triton's launch
+    handles both."""
+    if how == "a pre-run hook":
+        fake.kernel.pre_run_hooks.append(lambda *a, **k: None)
+    elif how == "a changed global":
+        scope = {"G": 1}
+        fake.kernel.used_global_vals = {("G", id(scope)): (1, scope)}
+        scope["G"] = 2
+
+
 @pytest.mark.parametrize("how", ["normal_launches()", "a launch hook", "a pre-run hook", "a changed global",
                                  "a callable grid"])
 def test_normal_launch_when(fake, how, monkeypatch):
@@ -155,13 +166,8 @@ def test_normal_launch_when(fake, how, monkeypatch):
             hooks.remove(hook)
         assert not launch._hooks_installed()
     else:
-        if how == "a pre-run hook":
-            fake.kernel.pre_run_hooks.append(lambda *a, **k: None)
-        elif how == "a changed global":
-            scope = {"G": 1}
-            fake.kernel.used_global_vals = {("G", id(scope)): (1, scope)}
-            scope["G"] = 2
-        elif how == "a callable grid":
+        spoil(fake, how)
+        if how == "a callable grid":
             grid = lambda meta: (1,)        # noqa: E731
         if how == "normal_launches()":
             with normal_launches():
@@ -212,13 +218,8 @@ def test_direct_launch_takes_the_keyed_path_when(fake, how, monkeypatch):
     x, y = tensors()
     bound((1,), x, y, 64, 0.5, True)
     launch_ = bound.direct((x, y, 64, 0.5, True))
-    if how == "a pre-run hook":
-        fake.kernel.pre_run_hooks.append(lambda *a, **k: None)
-    elif how == "a changed global":
-        scope = {"G": 1}
-        fake.kernel.used_global_vals = {("G", id(scope)): (1, scope)}
-        scope["G"] = 2
-    elif how == "another device":
+    spoil(fake, how)
+    if how == "another device":
         monkeypatch.setattr(launch, "_get_device", lambda: 1)
     elif how == "a changed knob":
         monkeypatch.setattr(launch, "_knob_state", lambda: ("changed",))
