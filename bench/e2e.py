@@ -236,7 +236,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="also write e2e.json into this directory")
     p.add_argument("--configs", default=DEFAULTS["configs"])
-    p.add_argument("--fp8", default=DEFAULTS["fp8"], help="configs also timed with FP8 linears (comma list, '' for none)")
+    p.add_argument("--fp8", default=DEFAULTS["fp8"],
+                   help="configs also timed with FP8 linears (comma list, '' for none)")
     p.add_argument("--warmup", type=int, default=WARMUP_STEPS + 1,
                    help=f"untimed steps (more than the {WARMUP_STEPS} eager steps before a graph's capture)")
     p.add_argument("--steps", type=int, default=20)

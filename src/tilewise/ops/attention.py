@@ -28,7 +28,8 @@ Flash attention: the N x N scores never reach HBM.
   the first call with a new key (head_dim, mask, dtype, sequence-length class) times them and keeps the
   fastest over 100 ms of calls each (TUNE_REP_MS): long enough for the clocks to settle as in training,
   where a 25 ms timing picked a config the H200 ran at 1980 MHz for a moment and at 1755 MHz sustained
-  (bench/attention_clocks.py). TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS replaces the lists.
+  (bench/attention_clocks.py). TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS
+  replaces the lists.
   Launches go through ops.launch.FastLauncher: after a key's first call the compiled kernel is launched
   directly (Triton's per-launch Python made short sequences host-bound on the H200's host).
 
