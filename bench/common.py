@@ -39,6 +39,16 @@ def environment() -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def allocator_counts(before: dict | None = None) -> dict | None:
+    """The caching allocator's cudaMalloc and cudaFree calls and allocation retries so far (a cudaFree
+    synchronizes the device), or their increase since `before`; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats()
+    now = {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    return now if before is None else {k: now[k] - before[k] for k in now}
+
+
 class PlainBlock(nn.Module):
     def __init__(self, d, heads):
         super().__init__()

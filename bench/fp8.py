@@ -40,7 +40,7 @@ import time
 
 import torch
 import torch.nn as nn
-from common import git_commit
+from common import allocator_counts, git_commit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = [  # (model, in_features, out_features), tokens 16384 (shared/BENCH.md)
@@ -219,9 +219,9 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
     times_ct = {}   # the backward on the calling thread (as the tilewise trainer runs it), every method alike
     allocator = {}  # the caching allocator's cudaMalloc/cudaFree calls and retries during each timing
     for name, fn in methods.items():
-        before = allocator_counts(timer)
+        before = allocator_counts() if timer.cuda else None
         times[name] = timer.ms(fn)
-        allocator[name] = allocator_counts(timer, before)
+        allocator[name] = allocator_counts(before) if timer.cuda else None
         if timer.cuda:
             with torch.autograd.set_multithreading_enabled(False):
                 times_ct[name] = timer.ms(fn)
@@ -301,16 +301,6 @@ def bench_gemms(model, K, N, M, x, dy, w, timer):
 # ----------------------------------------------------------------------------------------------------
 # The cast kernels: GB/s, and the tile sweep
 # ----------------------------------------------------------------------------------------------------
-def allocator_counts(timer, before=None):
-    """cudaMalloc and cudaFree calls and allocation retries so far (a cudaFree synchronizes the device), or
-    their increase since `before`; None off the GPU."""
-    if not timer.cuda:
-        return None
-    stats = torch.cuda.memory_stats()
-    now = {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
-    return now if before is None else {k: now[k] - before[k] for k in now}
-
-
 def cast_calls(t, fp8_dtype, kind, tiles=None, warps=None):
     """fn() running one cast pass of Fp8Linear's on t: "x" (copy + transposed copy + amax, delayed), "dy"
     (the same with the bias gradient's column sums), "block" (1x128 block cast, both copies)."""

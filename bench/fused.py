@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import time
-from common import git_commit
+from common import allocator_counts, git_commit
 
 NORM_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
 QUICK_NORM_SHAPES = NORM_SHAPES
@@ -326,6 +326,14 @@ class Bench:
             return norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16, torch.bfloat16, bias_dtype)
         fwd_bytes = (4 * rows * width + width) * x.element_size()
         bwd_bytes = 4 * rows * width * x.element_size()        # read dy, dh, h; write dx (= dresidual)
+        # the public op's forward timed again here (is the row's figure an effect of being timed first?) and
+        # without autograd (what the graph's building and freeing cost), with the allocator's device calls
+        public = (lambda: impls["tilewise"](*leaves)) if b is not None else (lambda: impls["tilewise"](*leaves, None))
+        before = allocator_counts() if not self.args.smoke else None
+        public_ms = self.ms(public)
+        public_alloc = allocator_counts(before) if before is not None else None
+        with torch.no_grad():
+            public_no_grad_ms = self.ms(public)
         bwd_ms, bwd_graph = self.ms(bwd), self.graph_ms(bwd)
         fwd_graph = self.graph_ms(fwd)
         sums_us = None
@@ -341,6 +349,9 @@ class Bench:
                  "backward_config": list(norm.backward_config(width, is_rms)),
                  "fwd_launcher_GBps": fwd_bytes / self.ms(fwd) / 1e6,
                  "fwd_launcher_graph_GBps": fwd_bytes / fwd_graph / 1e6 if fwd_graph else None,
+                 "fwd_public_again_GBps": fwd_bytes / public_ms / 1e6,
+                 "fwd_public_no_grad_GBps": fwd_bytes / public_no_grad_ms / 1e6,
+                 "allocator_during_fwd_public": public_alloc,
                  "bwd_launcher_ms": bwd_ms, "bwd_launcher_GBps": bwd_bytes / bwd_ms / 1e6,
                  "bwd_launcher_graph_GBps": bwd_bytes / bwd_graph / 1e6 if bwd_graph else None,
                  "bwd_launcher_frac_copy": bwd_bytes / (bwd_graph or bwd_ms) / 1e6 / self.copy_gbps,
