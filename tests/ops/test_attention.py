@@ -652,6 +652,55 @@ def test_forward_plan_passes_the_keyed_paths_arguments(path, tma, monkeypatch):
     assert _rel(got[0], attention_reference(q2, k2, v2, causal=True)) < 2e-2
 
 
+@pytest.mark.parametrize("case", ["plain", "dlse", "strided dout", "padded dout", "gradient views"])
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_backward_plan_passes_the_keyed_paths_arguments(path, case, tma, monkeypatch):
+    """The backward plan (_backward_plan) against the keyed path, as the forward's test does: dQ, dK, dV
+    bitwise equal, with a dLSE, with a dO the keyed path copies (a last stride of 2; rows padded beyond the
+    heads, which TMA cannot tile) and with gradients written into views of one tensor (flash_attention_qkv)."""
+    from tilewise.ops import launch
+    tma(path)
+    monkeypatch.setattr(launch.BoundLauncher, "direct",
+                        lambda self, args: lambda grid, *a: self.launcher.kernel[grid](*a, **self.meta))
+    monkeypatch.setattr(attn._DQ, "plans", {})
+    b, n, hq, hkv, d = 2, 40, 4, 2, 32
+    scale = d ** -0.5
+
+    def inputs():
+        q, k, v = qkv(b, n, n, hq, hkv, d)
+        out, lse = attn._attn_forward(q, k, v, None, 0, scale, -1, 0)
+        if case == "strided dout":
+            dout = torch.randn(b, n, hq, 2 * d, dtype=q.dtype)[..., ::2]
+        elif case == "padded dout":
+            dout = torch.randn(b, n, hq, d + 8, dtype=q.dtype)[..., :d]
+        else:
+            dout = torch.randn_like(q)
+        dlse = torch.randn_like(lse) if case == "dlse" else None
+        grads = None
+        if case == "gradient views":
+            grads = torch.full((b, n, hq + 2 * hkv, d), float("nan"), dtype=q.dtype).split([hq, hkv, hkv], dim=-2)
+        return (dout, q, k, v, out, lse, dlse), grads
+
+    def backward(args, grads):
+        with ops.use("triton"):
+            return attn._attn_backward(*args, None, 0, scale, -1, 0, grads=grads)
+    for _ in range(2):     # the interpreter's one config is bound on each kernel's second call
+        backward(*inputs())
+    (sig,) = [s for s, plan in attn._DQ.plans.items() if plan]
+    plan, used = attn._DQ.plans[sig], []
+    args, grads = inputs()
+    attn._DQ.plans[sig] = False                              # the keyed path
+    want = [t.clone() for t in backward(args, grads)]
+    attn._DQ.plans[sig] = lambda *a: used.append(1) or plan(*a)
+    if grads is not None:
+        for g in grads:
+            g.fill_(float("nan"))
+    got = backward(args, grads)
+    assert used == [1]
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["tma", "ptr"])
 def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
@@ -679,6 +728,38 @@ def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
     shifted.copy_(q2)
     other = call(shifted, k2, v2)
     assert _rel(other[0], want[0]) < 1e-2 and (other[1] - want[1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_gpu_backward_plan_matches_the_keyed_path(path, tma):
+    """The backward's plan on the GPU (its direct launches the compiled kernels'): dQ, dK, dV bitwise the
+    keyed path's, for a dO the keyed path copies too."""
+    tma(path)
+    scale = 128 ** -0.5
+
+    def inputs():
+        q, k, v = qkv(2, 1200, 1200, 16, 4, 128, device="cuda")
+        out, lse = attn._attn_forward(q, k, v, None, 0, scale, -1, 0)
+        dout = torch.randn(2, 1200, 16, 136, dtype=q.dtype, device="cuda")[..., :128]   # rows padded: copied
+        return dout, q, k, v, out, lse, None
+
+    def backward(args):
+        return attn._attn_backward(*args, None, 0, scale, -1, 0)
+    before = set(attn._DQ.plans)
+    for _ in range(3):
+        backward(inputs())
+    (sig,) = [s for s, plan in attn._DQ.plans.items() if plan and s not in before]
+    plan, used = attn._DQ.plans[sig], []
+    args = inputs()
+    try:
+        attn._DQ.plans[sig] = False
+        want = backward(args)
+        attn._DQ.plans[sig] = lambda *a: used.append(1) or plan(*a)
+        got = backward(args)
+    finally:
+        attn._DQ.plans[sig] = plan
+    assert used == [1] and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.gpu

@@ -983,33 +983,110 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
 
 
 _bwd_prep_launch = FastLauncher(_bwd_prep)
+_PREP_ROWS = 64
+_prep_launchers: dict = {}   # (head_dim, packed, has_dlse) -> the prep kernel's launcher, constexprs bound
 
 
-def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total):
+def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total, record=None):
     """(lse2, delta) of the backward: lse * log2(e) (+inf for rows that see no key) and rowsum(dO * O) - dLSE,
-    both in the LSE's layout. dout has a unit last stride."""
+    both in the LSE's layout. dout has a unit last stride. record: a list that gets each launch's
+    (launcher, grid, arguments)."""
     packed = cu is not None
     head_dim = out.shape[-1]
     lse = lse.contiguous()
     lse2 = _new(lse.shape, torch.float32, out.device)
     delta = _new(lse.shape, torch.float32, out.device)
     has_dlse = dlse is not None
-    prep_rows = 64
+    launcher = _prep_launchers.get((head_dim, packed, has_dlse))
+    if launcher is None:
+        launcher = _prep_launchers[head_dim, packed, has_dlse] = _bwd_prep_launch.bind(
+            HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), VARLEN=packed, HAS_DLSE=has_dlse,
+            BLOCK_M=_PREP_ROWS)
     dlse_arg = dlse.contiguous() if has_dlse else lse
     for b0 in range(0, batch, _MAX_GRID_YZ):
         nb = min(batch - b0, _MAX_GRID_YZ)
-        _bwd_prep_launch((_cdiv(max_q, prep_rows), heads, nb),
-                         out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed),
-                         *_seq_strides(dout, packed), *_lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0,
-                         HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), VARLEN=packed, HAS_DLSE=has_dlse,
-                         BLOCK_M=prep_rows)
+        grid = (_cdiv(max_q, _PREP_ROWS), heads, nb)
+        args = (out, dout, dlse_arg, lse, lse2, delta, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed),
+                *_lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0)
+        launcher(grid, *args)
+        if record is not None:
+            record.append((launcher, grid, args))
     return lse2, delta
+
+
+def _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads):
+    """_forward_signature's counterpart for a padded-batch backward: every tensor's shape, strides, dtype and
+    16-byte alignment (the gradients' too when they are given views), the mask, the scale, the TMA switch."""
+    tensors = (dout, q, k, v, out, lse) + ((dlse,) if dlse is not None else ()) + (grads or ())
+    return (tuple((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors), dlse is None,
+            grads is None, q.device, softmax_scale, left, right, os.environ.get("TILEWISE_ATTN_TMA"))
+
+
+def _backward_plan(record, dout_in, lse_in, dlse_in):
+    """The backward of one call signature as three direct launches, from the keyed path's `record`: each
+    launch's (launcher, grid, arguments), the kernels' as (kernel, key, use_tma, args(bm, bn, use_tma, b0),
+    grid(bm, bn, nb), how many arguments precede the scalars). None or False as _forward_plan's. The tensors
+    change per call; everything else (the copies the keyed path made of dout, lse and dlse included) is fixed
+    by the signature."""
+    if not fast_launch_enabled() or len(record) != 3:
+        return None
+    (prep, prep_grid, prep_args), *kernels = record
+    launches = []
+    for kern, key, use_tma, args, grid, n_lead in kernels:
+        bound = kern.bound.get(key + (use_tma,))
+        if bound is None:
+            return None
+        (bm, bn), launcher = bound[0][:2], bound[1]
+        example = args(bm, bn, use_tma, 0)
+        launches.append((launcher.direct(example), grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn,
+                         use_tma))
+    prep_direct = prep.direct(prep_args)
+    if prep_direct is None or any(launch[0] is None for launch in launches):
+        return False
+    dout_copied = prep_args[1] is not dout_in          # the keyed path's .contiguous() copies, by the signature
+    lse_copied = prep_args[3] is not lse_in
+    dlse_copied = dlse_in is not None and prep_args[2] is not dlse_in
+    dout_for_kernels = kernels[0][3](0, 0, False, 0)[3]
+    dout_recopied = dout_for_kernels is not prep_args[1]
+    prep_scalars = prep_args[7:]
+    (dkdv, dkdv_grid, dkdv_scalars, bm1, bn1, tma1), (dq_launch, dq_grid, dq_scalars, bm2, bn2, tma2) = launches
+
+    def descs(q, k, v, dout, bm, bn, use_tma):
+        if not use_tma:
+            return None, None, None, None
+        return (_descriptor(q, False, bm), _descriptor(k, False, bn), _descriptor(v, False, bn),
+                _descriptor(dout, False, bm))
+
+    def backward(dout, q, k, v, out, lse, dlse, grads):
+        dq, dk, dv = (_new(t.shape, t.dtype, t.device) for t in (q, k, v)) if grads is None else grads
+        if dout_copied:
+            dout = dout.contiguous()
+        lse = lse.contiguous() if lse_copied else lse
+        dlse_arg = (dlse.contiguous() if dlse_copied else dlse) if dlse is not None else lse
+        lse2 = _new(lse.shape, torch.float32, out.device)
+        delta = _new(lse.shape, torch.float32, out.device)
+        prep_direct(prep_grid, out, dout, dlse_arg, lse, lse2, delta, None, *prep_scalars)
+        if dout_recopied:
+            dout = dout.contiguous()
+        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None, *descs(q, k, v, dout, bm1, bn1, tma1),
+             *dkdv_scalars)
+        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None, *descs(q, k, v, dout, bm2, bn2, tma2), *dq_scalars)
+        return dq, dk, dv
+    return backward
 
 
 def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
                    grads=None):
     """dQ, dK, dV in the input dtype: contiguous, or written into `grads`, three views of one gradient (the
-    packed path; dK and dV share their strides)."""
+    packed path; dK and dV share their strides). A padded batch's call signature seen before launches through
+    its plan (_backward_plan), as the forward does."""
+    sig = None
+    if cu_seqlens is None:
+        sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads)
+        plan = _DQ.plans.get(sig)
+        if plan:
+            return plan(dout, q, k, v, out, lse, dlse, grads)
+    dout_in = dout
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
     if grads is None:
@@ -1025,7 +1102,8 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     lse_strides = _lse_strides(heads, seqlen_q, total, packed)
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
-    lse2, delta = _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
+    record = [] if sig is not None else None
+    lse2, delta = _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total, record)
 
     tma = _tma_mode(q.device)
     if tma != "off" and not _tma_layout_ok(dout, packed):
@@ -1047,17 +1125,23 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
 
     dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
     dkdv_consts = {**consts, "GQA": group > 1}
-    _run(_DKDV, tma, (bucket, q.dtype, *dkdv_consts.values()),
-         batch, lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb),
-         lambda bm, bn, use_tma, b0: (q, k, v, dout, dk, dv, lse2, delta, cu, *descs(bm, bn, use_tma),
-                                      *dkdv_scalars, b0),
-         dkdv_consts)
+    dkdv_key = (bucket, q.dtype, *dkdv_consts.values())
+    dkdv_grid = lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb)  # noqa: E731
+    dkdv_tensors = (q, k, v, dout, dk, dv, lse2, delta, cu)
+    dkdv_args = lambda bm, bn, use_tma, b0: (*dkdv_tensors, *descs(bm, bn, use_tma), *dkdv_scalars, b0)  # noqa: E731
+    dkdv_tma = _run(_DKDV, tma, dkdv_key, batch, dkdv_grid, dkdv_args, dkdv_consts)
     dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
-    _run(_DQ, tma, (bucket, q.dtype, *consts.values()),
-         batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb),
-         lambda bm, bn, use_tma, b0: (q, k, v, dout, dq, lse2, delta, cu, *descs(bm, bn, use_tma),
-                                      *dq_scalars, b0),
-         consts)
+    dq_key = (bucket, q.dtype, *consts.values())
+    dq_grid = lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb)  # noqa: E731
+    dq_tensors = (q, k, v, dout, dq, lse2, delta, cu)
+    dq_args = lambda bm, bn, use_tma, b0: (*dq_tensors, *descs(bm, bn, use_tma), *dq_scalars, b0)  # noqa: E731
+    dq_tma = _run(_DQ, tma, dq_key, batch, dq_grid, dq_args, consts)
+    if sig is not None and sig not in _DQ.plans and batch <= _MAX_GRID_YZ and len(_DQ.plans) < _MAX_PLANS:
+        record += [(_DKDV, dkdv_key, dkdv_tma, dkdv_args, dkdv_grid, len(dkdv_tensors) + 4),   # + 4 descriptors
+                   (_DQ, dq_key, dq_tma, dq_args, dq_grid, len(dq_tensors) + 4)]
+        plan = _backward_plan(record, dout_in, lse, dlse)
+        if plan is not None:
+            _DQ.plans[sig] = plan
     return dq, dk, dv
 
 
