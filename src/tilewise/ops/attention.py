@@ -31,7 +31,10 @@ Flash attention: the N x N scores never reach HBM.
   (bench/attention_clocks.py). TILEWISE_ATTN_AUTOTUNE=0 takes the first that compiles; TILEWISE_ATTN_CONFIGS
   replaces the lists.
   Launches go through ops.launch.FastLauncher: after a key's first call the compiled kernel is launched
-  directly (Triton's per-launch Python made short sequences host-bound on the H200's host).
+  directly (Triton's per-launch Python made short sequences host-bound on the H200's host). A padded batch's
+  forward or backward called again with one call signature (shapes, strides, dtypes, alignment, mask, scale)
+  goes further: its plan rebuilds only the tensor arguments and launches each kernel with
+  BoundLauncher.direct (_forward_plan, _backward_plan).
 
 Conventions (the flash-attn ones):
 - q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); heads_q is a
