@@ -624,6 +624,22 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(path, tma):
     assert attn._FWD.launcher.fast_launches > before
 
 
+def keyed_and_planned(plans, before, call):
+    """The one plan made since `before` (the plans' keys then), and call()'s results on the keyed path and
+    through that plan (each a list of clones), checking that the plan ran; the plan is restored."""
+    (sig,) = [s for s, plan in plans.items() if plan and s not in before]
+    plan, used = plans[sig], []
+    try:
+        plans[sig] = False                                  # the keyed path
+        want = [t.clone() for t in call()]
+        plans[sig] = lambda *a: used.append(1) or plan(*a)
+        got = [t.clone() for t in call()]
+    finally:
+        plans[sig] = plan
+    assert used == [1]
+    return want, got
+
+
 @pytest.mark.parametrize("path", ["tma", "ptr"])
 def test_forward_plan_passes_the_keyed_paths_arguments(path, tma, monkeypatch):
     """The forward plan (_forward_plan) rebuilds each launch's arguments from the call signature's constants
@@ -641,14 +657,9 @@ def test_forward_plan_passes_the_keyed_paths_arguments(path, tma, monkeypatch):
     q, k, v = qkv(2, 45, 38, 4, 2, 32)
     for _ in range(2):   # the interpreter's one config is bound on the key's second call
         call(q, k, v)
-    (sig,) = [s for s, plan in attn._FWD.plans.items() if plan]
-    plan, used = attn._FWD.plans[sig], []
     q2, k2, v2 = qkv(2, 45, 38, 4, 2, 32)
-    attn._FWD.plans[sig] = False                           # the keyed path
-    want = call(q2, k2, v2)
-    attn._FWD.plans[sig] = lambda *t: used.append(1) or plan(*t)
-    got = call(q2, k2, v2)
-    assert used == [1] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    want, got = keyed_and_planned(attn._FWD.plans, (), lambda: call(q2, k2, v2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert _rel(got[0], attention_reference(q2, k2, v2, causal=True)) < 2e-2
 
 
@@ -686,17 +697,13 @@ def test_backward_plan_passes_the_keyed_paths_arguments(path, case, tma, monkeyp
             return attn._attn_backward(*args, None, 0, scale, -1, 0, grads=grads)
     for _ in range(2):     # the interpreter's one config is bound on each kernel's second call
         backward(*inputs())
-    (sig,) = [s for s, plan in attn._DQ.plans.items() if plan]
-    plan, used = attn._DQ.plans[sig], []
     args, grads = inputs()
-    attn._DQ.plans[sig] = False                              # the keyed path
-    want = [t.clone() for t in backward(args, grads)]
-    attn._DQ.plans[sig] = lambda *a: used.append(1) or plan(*a)
-    if grads is not None:
-        for g in grads:
-            g.fill_(float("nan"))
-    got = backward(args, grads)
-    assert used == [1]
+
+    def call():
+        for g in grads or ():
+            g.fill_(float("nan"))      # each path writes every element of the views
+        return backward(args, grads)
+    want, got = keyed_and_planned(attn._DQ.plans, (), call)
     for a, w in zip(got, want):
         assert torch.equal(a, w)
 
@@ -713,17 +720,9 @@ def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
     before = set(attn._FWD.plans)
     for _ in range(3):
         call(q, k, v)
-    (sig,) = [s for s, plan in attn._FWD.plans.items() if plan and s not in before]
-    plan, used = attn._FWD.plans[sig], []
     q2, k2, v2 = qkv(2, 1200, 1200, 16, 4, 128, device="cuda")
-    try:
-        attn._FWD.plans[sig] = False                       # the keyed path
-        want = call(q2, k2, v2)
-        attn._FWD.plans[sig] = lambda *t: used.append(1) or plan(*t)
-        got = call(q2, k2, v2)
-    finally:
-        attn._FWD.plans[sig] = plan
-    assert used == [1] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    want, got = keyed_and_planned(attn._FWD.plans, before, lambda: call(q2, k2, v2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     shifted = torch.empty(q2.numel() + 4, dtype=q2.dtype, device="cuda")[4:].view(q2.shape)   # 8-byte aligned
     shifted.copy_(q2)
     other = call(shifted, k2, v2)
@@ -749,17 +748,9 @@ def test_gpu_backward_plan_matches_the_keyed_path(path, tma):
     before = set(attn._DQ.plans)
     for _ in range(3):
         backward(inputs())
-    (sig,) = [s for s, plan in attn._DQ.plans.items() if plan and s not in before]
-    plan, used = attn._DQ.plans[sig], []
     args = inputs()
-    try:
-        attn._DQ.plans[sig] = False
-        want = backward(args)
-        attn._DQ.plans[sig] = lambda *a: used.append(1) or plan(*a)
-        got = backward(args)
-    finally:
-        attn._DQ.plans[sig] = plan
-    assert used == [1] and all(torch.equal(a, b) for a, b in zip(got, want))
+    want, got = keyed_and_planned(attn._DQ.plans, before, lambda: backward(args))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.gpu

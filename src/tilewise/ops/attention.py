@@ -845,6 +845,16 @@ def _descriptor(t, packed, block_rows):
     return _fast_descriptor(_DESC_DEFAULTS, t, shape, strides, block)
 
 
+def _tile_descriptors(use_tma, packed, bm, bn, q, k, v, dout=None):
+    """The kernels' descriptor arguments: Q (and dO) in query tiles, K and V in key tiles; Nones on the
+    pointer path."""
+    n = 3 if dout is None else 4
+    if not use_tma:
+        return (None,) * n
+    descs = (_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn))
+    return descs if dout is None else descs + (_descriptor(dout, packed, bm),)
+
+
 def _lse_strides(heads, seqlen_q, total, packed):
     return (0, total) if packed else (heads * seqlen_q, seqlen_q)
 
@@ -919,24 +929,35 @@ def _forward_plan(key, use_tma, args, grid, lse_shape):
     arguments as the keyed path's, built from the signature's constants and the new tensors; None until the
     key's config is bound (its second call) and while fast launches are switched off, False where the direct
     launch does not apply (the interpreter: the signature keeps the keyed path)."""
-    bound = _FWD.bound.get(key + (use_tma,))
-    if bound is None or not fast_launch_enabled():   # fast launches switched off for now: ask again later
+    if not fast_launch_enabled():   # switched off for now: ask again later
+        return None
+    direct = _direct_launch(_FWD, key, use_tma, args, grid, 9)   # 6 tensors and 3 descriptors lead
+    if not direct:
+        return direct
+    launch, grid, scalars, bm, bn = direct
+
+    def forward(q, k, v):
+        out = _new(q.shape, q.dtype, q.device)
+        lse = _new(lse_shape, torch.float32, q.device)
+        launch(grid, q, k, v, out, lse, None, *_tile_descriptors(use_tma, False, bm, bn, q, k, v), *scalars)
+        return out, lse
+    return forward
+
+
+def _direct_launch(kern, key, use_tma, args, grid, n_lead):
+    """(launch, grid, scalars, bm, bn): kern's direct launch for the config bound to key on the path taken,
+    the grid, and the arguments after the first n_lead (constant for a call signature), from the keyed path's
+    args(bm, bn, use_tma, b0) and grid(bm, bn, nb); None before the key is bound, False where the direct
+    launch does not apply."""
+    bound = kern.bound.get(key + (use_tma,))
+    if bound is None:
         return None
     (bm, bn), launcher = bound[0][:2], bound[1]
     example = args(bm, bn, use_tma, 0)
     launch = launcher.direct(example)
     if launch is None:
         return False
-    scalars, grid = example[9:], grid(bm, bn, example[0].shape[0])
-
-    def forward(q, k, v):
-        out = _new(q.shape, q.dtype, q.device)
-        lse = _new(lse_shape, torch.float32, q.device)
-        descs = ((_descriptor(q, False, bm), _descriptor(k, False, bn), _descriptor(v, False, bn))
-                 if use_tma else (None, None, None))
-        launch(grid, q, k, v, out, lse, None, *descs, *scalars)
-        return out, lse
-    return forward
+    return launch, grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn
 
 
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
@@ -968,9 +989,8 @@ def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
                seqlen_q, seqlen_k, rows_q, rows_k, heads // kv_heads, softmax_scale * LOG2E, left, right)
 
     def args(bm, bn, use_tma, b0):
-        descs = ((_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn))
-                 if use_tma else (None, None, None))
-        return (q, k, v, out, lse, cu if packed else None, *descs, *scalars, b0)
+        return (q, k, v, out, lse, cu if packed else None, *_tile_descriptors(use_tma, packed, bm, bn, q, k, v),
+                *scalars, b0)
 
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
@@ -1034,17 +1054,11 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
     if not fast_launch_enabled() or len(record) != 3:
         return None
     (prep, prep_grid, prep_args), *kernels = record
-    launches = []
-    for kern, key, use_tma, args, grid, n_lead in kernels:
-        bound = kern.bound.get(key + (use_tma,))
-        if bound is None:
-            return None
-        (bm, bn), launcher = bound[0][:2], bound[1]
-        example = args(bm, bn, use_tma, 0)
-        launches.append((launcher.direct(example), grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn,
-                         use_tma))
+    launches = [_direct_launch(*kernel) for kernel in kernels]
+    if any(launch is None for launch in launches):
+        return None
     prep_direct = prep.direct(prep_args)
-    if prep_direct is None or any(launch[0] is None for launch in launches):
+    if prep_direct is None or not all(launches):
         return False
     dout_copied = prep_args[1] is not dout_in          # the keyed path's .contiguous() copies, by the signature
     lse_copied = prep_args[3] is not lse_in
@@ -1052,13 +1066,8 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
     dout_for_kernels = kernels[0][3](0, 0, False, 0)[3]
     dout_recopied = dout_for_kernels is not prep_args[1]
     prep_scalars = prep_args[7:]
-    (dkdv, dkdv_grid, dkdv_scalars, bm1, bn1, tma1), (dq_launch, dq_grid, dq_scalars, bm2, bn2, tma2) = launches
-
-    def descs(q, k, v, dout, bm, bn, use_tma):
-        if not use_tma:
-            return None, None, None, None
-        return (_descriptor(q, False, bm), _descriptor(k, False, bn), _descriptor(v, False, bn),
-                _descriptor(dout, False, bm))
+    (dkdv, dkdv_grid, dkdv_scalars, bm1, bn1), (dq_launch, dq_grid, dq_scalars, bm2, bn2) = launches
+    tma1, tma2 = kernels[0][2], kernels[1][2]
 
     def backward(dout, q, k, v, out, lse, dlse, grads):
         dq, dk, dv = (_new(t.shape, t.dtype, t.device) for t in (q, k, v)) if grads is None else grads
@@ -1071,9 +1080,10 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
         prep_direct(prep_grid, out, dout, dlse_arg, lse, lse2, delta, None, *prep_scalars)
         if dout_recopied:
             dout = dout.contiguous()
-        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None, *descs(q, k, v, dout, bm1, bn1, tma1),
-             *dkdv_scalars)
-        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None, *descs(q, k, v, dout, bm2, bn2, tma2), *dq_scalars)
+        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None,
+             *_tile_descriptors(tma1, False, bm1, bn1, q, k, v, dout), *dkdv_scalars)
+        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None,
+                  *_tile_descriptors(tma2, False, bm2, bn2, q, k, v, dout), *dq_scalars)
         return dq, dk, dv
     return backward
 
@@ -1121,10 +1131,7 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     bucket = _bucket(max_q, max_k)
 
     def descs(bm, bn, use_tma):
-        if not use_tma:
-            return None, None, None, None
-        return (_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn),
-                _descriptor(dout, packed, bm))
+        return _tile_descriptors(use_tma, packed, bm, bn, q, k, v, dout)
 
     dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
     dkdv_consts = {**consts, "GQA": group > 1}
