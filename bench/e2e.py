@@ -36,7 +36,7 @@ from tilewise.config import load_config  # noqa: E402
 from tilewise.graphs import WARMUP_STEPS, StepGraph, uncaptured_optimizer_steps  # noqa: E402
 from tilewise.model import GPT  # noqa: E402
 from tilewise.profile import summarize_trace, trace_events  # noqa: E402
-from tilewise.train import make_optimizer, make_step  # noqa: E402
+from tilewise.train import decay_groups, make_optimizer, make_step  # noqa: E402
 
 PEAK = 989e12
 SHAPES = {"gpt2-124m": (32, 1024), "gpt-1.3b": (8, 2048)}
@@ -80,7 +80,8 @@ def baseline_variant(init: GPT, cfg):
         plain = PlainGPT(VOCAB, c.seq_len, c.d_model, c.n_layer, c.n_head)
     copy_weights(init, plain)
     compiled = torch.compile(plain)
-    optimizer = make_optimizer(plain, cfg, torch.device("cuda"))   # fused AdamW, decay on matrices, as tilewise
+    optimizer = torch.optim.AdamW(decay_groups(plain, cfg.train.weight_decay), lr=cfg.train.lr,
+                                  betas=(cfg.train.beta1, cfg.train.beta2), fused=True)   # decay as tilewise
 
     def step(x, y):
         with AUTOCAST():

@@ -35,6 +35,7 @@ from .graphs import WARMUP_STEPS, StepGraph, invalidate_fp8_weights, resolve as 
 from .graphs import graph_mode, uncaptured_optimizer_steps
 from .metrics import Metrics, peak_flops, plot_losses, write_json
 from .model import GPT
+from .ops.adamw import AdamW
 from .profile import StepProfiler, parse_steps
 
 
@@ -75,25 +76,30 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's parameter groups: weight decay on matrices (and embeddings), none on vectors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, *,
                    lr: float | torch.Tensor | None = None) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; the fused kernel where the parameters are on a GPU.
+    """AdamW with weight decay on matrices only. Where the parameters are on a GPU, tilewise's AdamW
+    (ops/adamw.py: one pass over each large tensor, torch's fused kernel for the small ones); else torch's.
 
     lr: a 0-d device tensor makes the optimizer capturable in a CUDA graph: its step reads the learning rate
     from the tensor, which the loop fills before each replay (fused AdamW takes a tensor lr)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in decay + no_decay)  # not offloaded
+    groups = decay_groups(model, cfg.train.weight_decay)
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])  # not offloaded
     extra = {"fused": True} if on_gpu else {"foreach": True}
     if isinstance(lr, torch.Tensor):
         if not on_gpu or lr.device.type != "cuda" or lr.numel() != 1:
             raise ValueError(f"make_optimizer: a tensor lr (shape {tuple(lr.shape)} on {lr.device}) needs one "
                              f"element on the GPU that holds every parameter")
         extra["capturable"] = True
-    return torch.optim.AdamW(groups, lr=cfg.train.lr if lr is None else lr,
-                             betas=(cfg.train.beta1, cfg.train.beta2), **extra)
+    return (AdamW if on_gpu else torch.optim.AdamW)(groups, lr=cfg.train.lr if lr is None else lr,
+                                                   betas=(cfg.train.beta1, cfg.train.beta2), **extra)
 
 
 def _clip_folds_into_adamw(optimizer) -> bool:
