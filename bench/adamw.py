@@ -51,12 +51,14 @@ def optimizers(cfg):
 
 
 def copy_gbps() -> float:
-    """Device-to-device copy bandwidth (read + write bytes) of a 1 GiB buffer, the yardstick."""
+    """Device-to-device copy bandwidth (read + write bytes) of a 2 GiB tensor, timed as bench/fused.py does
+    (do_bench: a graph would replay the copy as a memcpy node, slower here)."""
     import triton.testing
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=50, return_mode="median")
-    return 2 * src.numel() * 4 / ms / 1e6
+    buffers = [torch.empty(1 << 29, dtype=torch.float32, device="cuda") for _ in range(2)]
+    ms = triton.testing.do_bench(lambda: buffers[1].copy_(buffers[0]), warmup=25, rep=100, return_mode="median")
+    buffers.clear()
+    torch.cuda.empty_cache()
+    return 2 * (1 << 29) * 4 / ms / 1e6
 
 
 def sweep(n: int, copy: float) -> list[dict]:
