@@ -95,7 +95,8 @@ def main():
     import triton.testing
     copy = copy_gbps()
     results = {"area": "adamw", **environment(), "copy_GBps": copy,
-               "command": "PYTHONPATH=src python3 bench/adamw.py" + (" --sweep" if args.sweep else ""),
+               "command": "PYTHONPATH=src python3 bench/adamw.py" + (" --sweep" if args.sweep else "")
+               + (f" --configs {args.configs}" if args.configs != "gpt-1.3b,gpt2-124m" else ""),
                "rows": [], "sweep": sweep(100_000_000, copy) + sweep(12_582_912, copy) if args.sweep else None}
     for name in args.configs.split(","):
         cfg = load_config(name)

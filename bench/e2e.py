@@ -223,7 +223,8 @@ def run_config(name: str, args) -> list[dict]:
 
 
 def write(rows: list[dict], args) -> None:
-    extra = " ".join(f"--{k} {getattr(args, k)}" for k in ("configs", "fp8") if getattr(args, k) != DEFAULTS[k])
+    given = {"configs": args.configs, "fp8": ",".join(args.fp8)}     # main() split --fp8 into a list
+    extra = " ".join(f"--{k} {v}" for k, v in given.items() if v != DEFAULTS[k])
     command = ("TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "BENCH_TIMEOUT=480 ")
                + (f'BENCH_ARGS="{extra}" ' if extra else "") + "bash bench/h200.sh e2e")
     result = {"area": "e2e", **environment(), "command": command, "rows": rows}

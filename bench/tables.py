@@ -30,6 +30,12 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _commit(commit) -> str:
+    """A sha shortened to 10 characters; a description of several (merged rows) whole."""
+    commit = str(commit)
+    return commit if " " in commit else commit[:10]
+
+
 def table(result: dict) -> str:
     rows = result.get("rows", [])
     columns: list[str] = []
@@ -44,7 +50,7 @@ def table(result: dict) -> str:
         command = "` + `".join(result["commands"])
     lines = [f"### {result.get('area', '?')}",
              f"{result.get('gpu', '?')}, torch {result.get('torch', '?')}, triton {result.get('triton', '?')}, "
-             f"commit {str(result.get('commit', '?'))[:10]}, {result.get('date', '?')}. "
+             f"commit {_commit(result.get('commit', '?'))}, {result.get('date', '?')}. "
              f"Reproduce: `{command}`",
              "",
              "| " + " | ".join(columns) + " |",
