@@ -35,9 +35,10 @@ L2_FLUSH = None
 def norm_case(kind, rows, width):
     bf = torch.bfloat16
     mk = lambda *s: torch.randn(*s, device="cuda", dtype=bf)  # noqa: E731
-    leaves = [mk(rows, width).requires_grad_(), mk(rows, width).requires_grad_(), (1 + 0.2 * mk(width)).requires_grad_()]
+    leaves = [mk(rows, width), mk(rows, width), 1 + 0.2 * mk(width)]
     if kind == "layernorm":
-        leaves.append((0.2 * mk(width)).requires_grad_())
+        leaves.append(0.2 * mk(width))
+    leaves = [t.requires_grad_() for t in leaves]
     dy, dh = mk(rows, width), mk(rows, width)
 
     def call():
@@ -116,7 +117,8 @@ def analyse(events, marks):
             launch = runtime.get(g.get("args", {}).get("correlation"))
             where = None
             if launch is not None:   # the innermost CPU op around the launch, on its thread
-                around = [c for c in cpu_ops if c["tid"] == launch["tid"] and c["ts"] <= launch["ts"] <= c["ts"] + c["dur"]]
+                around = [c for c in cpu_ops
+                          if c["tid"] == launch["tid"] and c["ts"] <= launch["ts"] <= c["ts"] + c["dur"]]
                 where = min(around, key=lambda c: c["dur"])["name"] if around else None
             gaps.append({"at_us": round(prev_end - start, 1), "idle_us": round(g["ts"] - prev_end, 1),
                          "next": g["name"][:60], "launched_by_tid": launch and launch["tid"],

@@ -91,7 +91,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, *,
     lr: a 0-d device tensor makes the optimizer capturable in a CUDA graph: its step reads the learning rate
     from the tensor, which the loop fills before each replay (fused AdamW takes a tensor lr)."""
     groups = decay_groups(model, cfg.train.weight_decay)
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])  # not offloaded
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for g in groups for p in g["params"])
     extra = {"fused": True} if on_gpu else {"foreach": True}
     if isinstance(lr, torch.Tensor):
         if not on_gpu or lr.device.type != "cuda" or lr.numel() != 1:

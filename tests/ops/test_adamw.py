@@ -51,7 +51,8 @@ def test_bf16_parameter_updates_in_fp32_and_rounds_once(device):
     gen = torch.Generator().manual_seed(4)
     p0 = torch.randn(3000, generator=gen).bfloat16()
     g = (torch.randn(3000, generator=gen) * 0.1).bfloat16()
-    p, m, v = p0.clone().to(device), torch.zeros(3000, device=device).bfloat16(), torch.zeros(3000, device=device).bfloat16()
+    p = p0.clone().to(device)
+    m, v = (torch.zeros(3000, device=device).bfloat16() for _ in range(2))
     with ops.use("triton"):
         adamw_step_(p, g.to(device), m, v, torch.ones((), device=device), 1e-2, 0.9, 0.95, 1e-8, 0.0)
     ref, _, _ = float64_adamw(p0.float(), [g.float()], 1e-2, 0.9, 0.95, 1e-8, 0.0)

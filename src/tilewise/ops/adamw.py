@@ -133,12 +133,17 @@ class AdamW(torch.optim.AdamW):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:   # loaded from a non-fused AdamW, which keeps it on the CPU
+                state["step"] = state["step"].to(p.device, torch.float32)
             steps.append(state["step"])
         if steps:
             torch._foreach_add_(steps, 1.0)
         for (group, p), g in zip(mine, grads):
             state = self.state[p]
             beta1, beta2 = group["betas"]
-            adamw_step_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != p.device:   # a host tensor: its value
+                lr = float(lr)
+            adamw_step_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
                         group["eps"], group["weight_decay"], grad_scale)
         return loss
