@@ -13,7 +13,6 @@ configs on single tensors.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
-from common import environment  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 from tilewise.config import load_config  # noqa: E402
 from tilewise.model import GPT  # noqa: E402
@@ -130,10 +129,7 @@ def main():
               f"({row['tilewise_frac_copy']:.2f}); x{row['ratio_torch_fused']:.2f} graphed", flush=True)
         del ref, mine, ref_params, my_params
         torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "adamw.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_result(args.out, "adamw", results)
 
 
 if __name__ == "__main__":

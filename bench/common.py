@@ -39,6 +39,15 @@ def environment() -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def write_result(out_dir: str | None, area: str, result: dict) -> None:
+    """result as out_dir/<area>.json (nothing without an out_dir)."""
+    if out_dir:
+        import json
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"{area}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def allocator_counts(before: dict | None = None) -> dict | None:
     """The caching allocator's cudaMalloc and cudaFree calls and allocation retries so far (a cudaFree
     synchronizes the device), or their increase since `before`; None without a GPU."""

@@ -24,7 +24,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
-from common import environment  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 from tilewise import ops  # noqa: E402
 
@@ -164,10 +164,7 @@ def main():
                     print("     " + line)
         del fn
         torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "host_trace.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    write_result(args.out, "host_trace", results)
 
 
 if __name__ == "__main__":
