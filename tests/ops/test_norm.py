@@ -540,6 +540,80 @@ def norm_launchers():
             norm._sum_partials_launch]
 
 
+@pytest.fixture
+def interpreted_direct_launches(monkeypatch):
+    """BoundLauncher.direct hands its arguments to the kernel through Triton's own launch (the interpreter
+    here; the GPU's direct launch is tests/ops/test_launch.py's), and the call plans start empty."""
+    monkeypatch.setattr(launch.BoundLauncher, "direct",
+                        lambda self, args: lambda grid, *a: self.launcher.kernel[grid](*a, **self.meta))
+    monkeypatch.setattr(norm, "_CALLS", {})
+
+
+def fwd_bwd(x, r, w, b, kind, residual_dtype=None, grads=None, dh=True):
+    """y, h and every gradient of one add_dropout_norm call (leaves made from the given tensors)."""
+    leaves = [leaf(t) for t in (x, r, w, b)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(*leaves, kind=kind, residual_dtype=residual_dtype)
+        dy, dh_ = grads
+        torch.autograd.backward([y, h] if dh else [y], [dy, dh_] if dh else [dy])
+    return [y.detach(), h.detach()] + [t.grad for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("case", ["layernorm", "rmsnorm, no bias", "no residual", "fp32 residual stream",
+                                  "no dh", "3-d rows"])
+def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_launches):
+    """A call signature's second call runs its forward and backward plans (_CALLS), which rebuild each
+    launch's arguments from the signature's constants and the new tensors: outputs and gradients bitwise the
+    keyed path's on new values, in each layout the plans key on."""
+    kind = "rmsnorm" if case.startswith("rmsnorm") else "layernorm"
+    res_dtype = torch.float32 if case == "fp32 residual stream" else None
+    shape = (2, 19, 48) if case == "3-d rows" else (37, 48)
+
+    def inputs(seed):
+        x, r, w, b = make(math.prod(shape[:-1]), shape[-1], torch.bfloat16, res_dtype=res_dtype, seed=seed,
+                          residual=case != "no residual", bias=case != "rmsnorm, no bias")
+        g = torch.Generator().manual_seed(seed + 1)
+        grads = [torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16),
+                 torch.randn(shape, generator=g).to(DEVICE, res_dtype or torch.bfloat16)]
+        return [None if t is None or t.dim() == 1 else t.view(shape) for t in (x, r)] + [w, b], grads
+    args, grads = inputs(0)
+    fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    assert len(norm._CALLS) == 2 and all(norm._CALLS.values())      # a forward and a backward plan
+    args, grads = inputs(5)
+    plans, used = dict(norm._CALLS), []
+    for sig in plans:
+        norm._CALLS[sig] = False                                    # the keyed path
+    want = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    for sig, plan in plans.items():
+        norm._CALLS[sig] = lambda *a, plan=plan: used.append(1) or plan(*a)
+    got = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    assert used == [1, 1]
+    assert len(got) == len(want)
+    for i, (a, e) in enumerate(zip(got, want)):
+        assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), i
+    check_against_float64(*args, kind=kind, residual_dtype=res_dtype, grads=tuple(grads))
+
+
+def test_call_plans_only_where_the_signature_fixes_every_argument(interpreted_direct_launches):
+    """Dropout (a new seed each call) and an explicit launch config make no plan; an input off 16-byte
+    alignment or of another shape is a new signature, which takes the keyed path and gets its own plans."""
+    x, r, w, b = make(37, 48, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    dy, dh = (torch.randn(37, 48, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    leaves = [leaf(t) for t in (x, r, w, b)]
+    with ops.use("triton"):
+        y, h = add_dropout_norm(*leaves, dropout_p=0.1, seed=3)
+        torch.autograd.backward([y, h], [dy, dh])
+        norm._forward(x, r, w, b, False, 1e-5, 0.0, 0, torch.bfloat16, cfg=norm.forward_config(48))
+    assert norm._CALLS == {}
+    fwd_bwd(x, r, w, b, "layernorm", grads=(dy, dh))
+    assert len(norm._CALLS) == 2
+    fwd_bwd(odd_view(x), r, w, b, "layernorm", grads=(odd_view(dy), dh))
+    assert len(norm._CALLS) == 4
+    fwd_bwd(*make(36, 48, torch.bfloat16), "layernorm", grads=(dy[:36], dh[:36]))
+    assert len(norm._CALLS) == 6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(16384, 4096), (65536, 768), (8192, 8192), (512, 20000)], ids=str)
 @pytest.mark.parametrize("kind", norm.NORM_KINDS)
@@ -567,6 +641,27 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(shape, kind, device):
     assert sum(lc.fast_launches for lc in norm_launchers()) >= fast + 3        # forward, backward, sums
     for name, a, e in zip(["y", "h", "dx", "dresidual", "dweight", "dbias"], got, expected):
         assert torch.equal(a, e), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+def test_gpu_call_plans_match_normal_launches_bitwise(kind, device):
+    """Without dropout a signature's third call runs through its call plans (direct launches of the forward,
+    the backward and the sums, no normal launch) and gives bit for bit what Triton's own launches give."""
+    x, r, w, b = make(8192, 1024, torch.bfloat16, device=device, seed=3, bias=kind == "layernorm")
+    g = torch.Generator(device=device).manual_seed(4)
+    grads = [torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16) for _ in range(2)]
+    with launch.normal_launches():
+        expected = fwd_bwd(x, r, w, b, kind, grads=grads)
+    fwd_bwd(x, r, w, b, kind, grads=grads)
+    fast = sum(lc.fast_launches for lc in norm_launchers())
+    normal = sum(lc.normal_launches for lc in norm_launchers())
+    got = fwd_bwd(x, r, w, b, kind, grads=grads)
+    assert sum(lc.normal_launches for lc in norm_launchers()) == normal
+    assert sum(lc.fast_launches for lc in norm_launchers()) == fast + 3
+    assert sum(1 for sig, call in norm._CALLS.items() if call and sig[1][-1] == 1024) >= 2
+    for i, (a, e) in enumerate(zip(got, expected)):
+        assert torch.equal(a, e), i
 
 
 @pytest.mark.gpu
