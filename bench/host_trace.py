@@ -7,7 +7,8 @@ mode (autograd's device worker thread, the default; the calling thread, as the t
 call in a do_bench-like loop (L2 flush, call, no synchronization), traces a few calls, and prints:
 - wall time per call, GPU busy time per call, and the GPU's idle gaps over 15 us with the CPU call that
   launched the work after each gap (its thread and the op around it);
-- per thread, the top-level CPU ops of one call with their start offsets and durations.
+- per thread, the top-level CPU ops of one call with their start offsets and durations;
+and first, without the profiler, each case's do_bench and CUDA-graph medians in interleaved rounds.
 
     PYTHONPATH=src python3 bench/host_trace.py --out DIR [--cases norm,rmsnorm,fp8_delayed,fp8_current]
 """
@@ -139,13 +140,33 @@ def analyse(events, marks):
             "gpu_busy_us_per_call": round(busy / n, 1), "idle_gaps": gaps, "last_call_threads": threads}
 
 
+def rounds(cases: str, n_rounds: int = 4) -> dict:
+    """Without the profiler: each case's do_bench median (L2 flushed, host included, the worker thread) and
+    CUDA-graph median, the cases interleaved over rounds in a rotating order, so that neither an order nor a
+    drift of the GPU's clocks favours one. ms per round, by case."""
+    import triton.testing
+    fns = {name: CASES[name]() for name in cases.split(",")}
+    out = {name: {"ms": [], "graph_ms": []} for name in fns}
+    names = list(fns)
+    for r in range(n_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name]["ms"].append(triton.testing.do_bench(fns[name], warmup=25, rep=100, return_mode="median"))
+            out[name]["graph_ms"].append(triton.testing.do_bench_cudagraph(fns[name], rep=20, return_mode="median"))
+    for name, v in out.items():
+        print(f"== {name}: do_bench ms by round {[round(t, 3) for t in v['ms']]}, graphed "
+              f"{[round(t, 3) for t in v['graph_ms']]}", flush=True)
+    fns.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="(accepted for bench/h200.sh; no effect)")
     ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
-    results = {"area": "host_trace", **environment(), "cases": {}}
+    results = {"area": "host_trace", **environment(), "cases": {}, "do_bench_rounds": rounds(args.cases)}
     for name in args.cases.split(","):
         fn = CASES[name]()
         for mode in ("worker_thread", "calling_thread"):
