@@ -10,7 +10,7 @@ call in a do_bench-like loop (L2 flush, call, no synchronization), traces a few 
 - per thread, the top-level CPU ops of one call with their start offsets and durations;
 and first, without the profiler, each case's do_bench and CUDA-graph medians in interleaved rounds.
 
-    PYTHONPATH=src python3 bench/host_trace.py --out DIR [--cases norm,rmsnorm,fp8_delayed,fp8_current]
+    PYTHONPATH=src python3 bench/host_trace.py --out DIR [--cases norm,rmsnorm,fp8_delayed,fp8_current,fp8_torchao]
 """
 from __future__ import annotations
 
@@ -69,11 +69,28 @@ def fp8_case(recipe, M=16384, K=4096, N=14336):
     return call
 
 
+def torchao_case(M=16384, K=4096, N=14336):
+    """torchao's Float8Linear under torch.compile, as bench/fp8.py times it (its wheel must be installed)."""
+    from torchao.float8 import convert_to_float8_training
+    bf = torch.bfloat16
+    x = torch.randn(M, K, device="cuda", dtype=bf).requires_grad_()
+    dy = torch.randn(M, N, device="cuda", dtype=bf) * 1e-3
+    seq = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False, device="cuda", dtype=bf))
+    convert_to_float8_training(seq)
+    compiled = torch.compile(seq)
+
+    def call():
+        y = compiled(x)
+        torch.autograd.grad(y, (x, seq[0].weight), dy)
+    return call
+
+
 CASES = {
     "norm": lambda: norm_case("layernorm", 32768, 1024),
     "rmsnorm": lambda: norm_case("rmsnorm", 32768, 1024),
     "fp8_delayed": lambda: fp8_case("delayed"),
     "fp8_current": lambda: fp8_case("current"),
+    "fp8_torchao": torchao_case,
 }
 
 
@@ -140,21 +157,38 @@ def analyse(events, marks):
             "gpu_busy_us_per_call": round(busy / n, 1), "idle_gaps": gaps, "last_call_threads": threads}
 
 
+def make_case(name):
+    """The case's call, or None (printed) when it cannot be built here (torchao missing)."""
+    try:
+        return CASES[name]()
+    except ImportError as e:
+        print(f"== {name}: skipped ({e})", flush=True)
+        return None
+
+
 def rounds(cases: str, n_rounds: int = 4) -> dict:
     """Without the profiler: each case's do_bench median (L2 flushed, host included, the worker thread) and
     CUDA-graph median, the cases interleaved over rounds in a rotating order, so that neither an order nor a
     drift of the GPU's clocks favours one. ms per round, by case."""
     import triton.testing
-    fns = {name: CASES[name]() for name in cases.split(",")}
+    fns = {name: make_case(name) for name in cases.split(",")}
+    fns = {name: fn for name, fn in fns.items() if fn is not None}
     out = {name: {"ms": [], "graph_ms": []} for name in fns}
     names = list(fns)
+
+    def graph_ms(fn):
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+        except Exception:   # noqa: BLE001 - a compiled module may not capture: no graph figure
+            torch.cuda.synchronize()
+            return None
     for r in range(n_rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             out[name]["ms"].append(triton.testing.do_bench(fns[name], warmup=25, rep=100, return_mode="median"))
-            out[name]["graph_ms"].append(triton.testing.do_bench_cudagraph(fns[name], rep=20, return_mode="median"))
+            out[name]["graph_ms"].append(graph_ms(fns[name]))
     for name, v in out.items():
         print(f"== {name}: do_bench ms by round {[round(t, 3) for t in v['ms']]}, graphed "
-              f"{[round(t, 3) for t in v['graph_ms']]}", flush=True)
+              f"{[t and round(t, 3) for t in v['graph_ms']]}", flush=True)
     fns.clear()
     torch.cuda.empty_cache()
     return out
@@ -168,7 +202,9 @@ def main():
     args = ap.parse_args()
     results = {"area": "host_trace", **environment(), "cases": {}, "do_bench_rounds": rounds(args.cases)}
     for name in args.cases.split(","):
-        fn = CASES[name]()
+        fn = make_case(name)
+        if fn is None:
+            continue
         for mode in ("worker_thread", "calling_thread"):
             with torch.autograd.set_multithreading_enabled(mode == "worker_thread"):
                 events, marks = trace(fn)
