@@ -5,8 +5,8 @@ torch's fused AdamW (a multi-tensor kernel) also writes every gradient back when
 grad_scale tensor, which is how the trainer folds gradient clipping into the step (train.make_step): 32
 bytes a parameter moved instead of 28. On the H200 (bench/adamw.py) its step over the 1.3B preset's 1.217B
 fp32 parameters took 11.47 ms, this one 8.36 ms (0.96 of the copy bandwidth). Here every tensor of at least
-`AdamW.min_numel` elements gets one launch of `_adamw_kernel`; the many small ones (biases, norm weights) stay in torch's
-multi-tensor kernel, one launch for all of them.
+`AdamW.min_numel` elements gets one launch of `_adamw_kernel`; the many small ones (biases, norm weights) stay
+in torch's multi-tensor kernel, one launch for all of them.
 
 `AdamW` is torch.optim.AdamW (same arguments, same state: `step`, `exp_avg`, `exp_avg_sq`, so checkpoints
 move between the two) whose step() routes the large tensors here. The update is torch's:
