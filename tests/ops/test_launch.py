@@ -211,6 +211,18 @@ def test_direct_launch_passes_what_the_bound_launch_passes(fake):
     assert bound.direct((x[1:], y, 64, 0.5, True)) is None      # an unaligned view: another kernel
 
 
+def test_planned_tells_a_plan_to_wait_or_to_keep_the_keyed_path(fake):
+    """BoundLauncher.planned: None while fast launches are switched off (a plan asks again later), False
+    where no direct launch covers the arguments, else the direct launch."""
+    bound = fake.launcher.bind(BLOCK=32)
+    x, y = tensors()
+    assert bound.planned((x, y, 64, 0.5, True)) is False        # nothing compiled for these classes yet
+    bound((2,), x, y, 64, 0.5, True)
+    with launch.normal_launches():
+        assert bound.planned((x, y, 64, 0.5, True)) is None
+    assert callable(bound.planned((x, y, 64, 0.5, True)))
+
+
 @pytest.mark.parametrize("how", ["normal_launches()", "a pre-run hook", "a changed global", "another device",
                                  "a changed knob"])
 def test_direct_launch_takes_the_keyed_path_when(fake, how, monkeypatch):

@@ -66,7 +66,7 @@ import triton.language as tl
 import triton.testing
 
 from .dispatch import use_triton
-from .launch import FastLauncher, fast_launch_enabled
+from .launch import FastLauncher
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -929,8 +929,6 @@ def _forward_plan(key, use_tma, args, grid, lse_shape):
     arguments as the keyed path's, built from the signature's constants and the new tensors; None until the
     key's config is bound (its second call) and while fast launches are switched off, False where the direct
     launch does not apply (the interpreter: the signature keeps the keyed path)."""
-    if not fast_launch_enabled():   # switched off for now: ask again later
-        return None
     direct = _direct_launch(_FWD, key, use_tma, args, grid, 9)   # 6 tensors and 3 descriptors lead
     if not direct:
         return direct
@@ -947,16 +945,16 @@ def _forward_plan(key, use_tma, args, grid, lse_shape):
 def _direct_launch(kern, key, use_tma, args, grid, n_lead):
     """(launch, grid, scalars, bm, bn): kern's direct launch for the config bound to key on the path taken,
     the grid, and the arguments after the first n_lead (constant for a call signature), from the keyed path's
-    args(bm, bn, use_tma, b0) and grid(bm, bn, nb); None before the key is bound, False where the direct
-    launch does not apply."""
+    args(bm, bn, use_tma, b0) and grid(bm, bn, nb); None before the key is bound and while fast launches are
+    switched off, False where the direct launch does not apply (BoundLauncher.planned)."""
     bound = kern.bound.get(key + (use_tma,))
     if bound is None:
         return None
     (bm, bn), launcher = bound[0][:2], bound[1]
     example = args(bm, bn, use_tma, 0)
-    launch = launcher.direct(example)
-    if launch is None:
-        return False
+    launch = launcher.planned(example)
+    if not launch:
+        return launch
     return launch, grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn
 
 
@@ -1051,14 +1049,14 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
     grid(bm, bn, nb), how many arguments precede the scalars). None or False as _forward_plan's. The tensors
     change per call; everything else (the copies the keyed path made of dout, lse and dlse included) is fixed
     by the signature."""
-    if not fast_launch_enabled() or len(record) != 3:
+    if len(record) != 3:
         return None
     (prep, prep_grid, prep_args), *kernels = record
     launches = [_direct_launch(*kernel) for kernel in kernels]
     if any(launch is None for launch in launches):
         return None
-    prep_direct = prep.direct(prep_args)
-    if prep_direct is None or not all(launches):
+    prep_direct = prep.planned(prep_args)
+    if not prep_direct or not all(launches):
         return False
     dout_copied = prep_args[1] is not dout_in          # the keyed path's .contiguous() copies, by the signature
     lse_copied = prep_args[3] is not lse_in

@@ -282,6 +282,13 @@ class BoundLauncher:
     def __call__(self, grid, *args):
         return self.launcher.launch(grid, args, self.meta, self.meta_key)
 
+    def planned(self, args: tuple):
+        """direct(args) as a launch plan takes it: None while fast launches are switched off (ask again
+        later), False where the direct launch does not cover calls like args (the plan keeps the keyed path)."""
+        if not _ENABLED[0]:
+            return None
+        return self.direct(args) or False
+
     def direct(self, args: tuple):
         """`launch(grid, *args)` for the compiled kernel that `args` (already launched once) keyed to, without
         keying each call; None when there is no such kernel or the direct launch does not cover the call.

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv, fast_launch_enabled
+from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 _MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
@@ -511,18 +511,10 @@ def _forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype):
             is_rms, eps, h_dtype)
 
 
-def _direct_call(bound: BoundLauncher, args: tuple):
-    """bound's direct launch for calls like args; None while fast launches are switched off (ask again
-    later), False where the direct launch does not apply."""
-    if not fast_launch_enabled():
-        return None
-    return bound.direct(args) or False
-
-
 def _forward_call(plan: _Plan, grid, args, h_dtype):
     """The forward of one call signature (see _CALLS): new outputs and one direct launch with the keyed
     launch's arguments but the tensors."""
-    launch = _direct_call(plan.launch, args)
+    launch = plan.launch.planned(args)
     if not launch:
         return launch
     x, stats = args[0], args[6]
@@ -659,8 +651,8 @@ def _backward_call(plan: _Plan, grid, args, dr, db):
     sums' direct launches."""
     dx, dw, part, programs, N = args[6], args[3], args[8], args[8].shape[1], args[10]
     sums_args = (part, dw, dw if db is None else db, programs, N)
-    launch = _direct_call(plan.launch, args)
-    sums = _direct_call(_sum_partials, sums_args) if launch else launch
+    launch = plan.launch.planned(args)
+    sums = _sum_partials.planned(sums_args) if launch else launch
     if not sums:
         return sums
     shape, x_dtype, device = dx.shape, dx.dtype, dx.device
