@@ -9,9 +9,10 @@ linear shape of shared/BENCH.md (GPT-2 124M, the 1.3B preset, an 8B-class MLP):
 - tilewise_current: the same with current scaling (an amax pass before each cast);
 - tilewise_blockwise: 1x128 block scales on every GEMM operand (torch._scaled_mm block scaling);
 - torchao: torchao.float8.convert_to_float8_training (tensorwise dynamic scaling) under torch.compile.
-Each figure is do_bench's (host time included: what an eager training step sees); `<name>_graph_ms` in the
-details is the same call replayed from a CUDA graph (GPU time only, what a captured step sees), and
-`host_us_per_iter` the host time of a call. Also reported: the three GEMMs alone (FP8 _scaled_mm on
+Each figure is do_bench's (host time included: what an eager training step sees), the median over interleaved
+rounds that time every method alike (timed_in_rounds); `<name>_graph_ms` in the details is the same call
+replayed from a CUDA graph (GPU time only, what a captured step sees), and `host_us_per_iter` the host time
+of a call. Also reported: the three GEMMs alone (FP8 _scaled_mm on
 pre-cast operands, tensorwise and blockwise, vs bf16 mm), the fused cast kernels' GB/s against a device copy
 (eager and graphed), and Fp8State.step() for a GPT-2 124M sized state. Outputs are checked against an fp32
 GEMM before anything is timed.
@@ -34,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -66,7 +68,8 @@ def parse_args(argv=None):
                                                                "and tensor)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
-    p.add_argument("--budget-s", type=float, default=220.0,
+    p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds per shape (see timed_in_rounds)")
+    p.add_argument("--budget-s", type=float, default=260.0,
                    help="time budget: past 70%% of it torchao (slow to compile) is skipped for the remaining shapes, "
                         "past all of it the remaining shapes are skipped (both recorded)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -157,6 +160,30 @@ def runner(module, weight, xs, dys, pre=None):
     return fn
 
 
+def timed_in_rounds(methods, timer, n_rounds):
+    """Each method's do_bench median with the backward on autograd's worker thread and on the calling thread
+    (as the tilewise trainer runs it), every method alike, in interleaved rounds: each round times every
+    method once, starting one method later than the round before, and a method's figure is the median of its
+    rounds. Timed one method after another, a figure depends on its place in the run (the GPU's clocks after
+    the method before it, or after torchao's compile left it idle). Also returns the per-round figures and
+    the caching allocator's cudaMalloc/cudaFree calls and retries during each method's timings."""
+    names = list(methods)
+    runs = {n: {"worker_thread": [], "calling_thread": []} for n in names}
+    allocator = {n: None for n in names}
+    for r in range(n_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            before = allocator_counts() if timer.cuda else None
+            runs[name]["worker_thread"].append(timer.ms(methods[name]))
+            if timer.cuda:
+                spent = allocator_counts(before)
+                allocator[name] = {k: (allocator[name] or {}).get(k, 0) + v for k, v in spent.items()}
+                with torch.autograd.set_multithreading_enabled(False):
+                    runs[name]["calling_thread"].append(timer.ms(methods[name]))
+    times = {n: statistics.median(runs[n]["worker_thread"]) for n in names}
+    times_ct = {n: statistics.median(runs[n]["calling_thread"]) for n in names if runs[n]["calling_thread"]}
+    return times, times_ct, runs, allocator
+
+
 def fmt(v, nd=0):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -201,7 +228,7 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
             notes["torchao"] = f"error: {type(e).__name__}: {e}"
 
     # outputs agree before anything is timed
-    errs, times, graphs, hosts = {}, {}, {}, {}
+    errs, graphs, hosts = {}, {}, {}
     for name, fn in list(methods.items()):
         try:
             fn(0)  # warm: torch.compile compiles here
@@ -216,15 +243,8 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
         if not all(e[k] < tol[k] for k in tol):
             notes[name] = f"outputs disagree with fp32: {e}"
             methods.pop(name)
-    times_ct = {}   # the backward on the calling thread (as the tilewise trainer runs it), every method alike
-    allocator = {}  # the caching allocator's cudaMalloc/cudaFree calls and retries during each timing
+    times, times_ct, rounds, allocator = timed_in_rounds(methods, timer, args.rounds)
     for name, fn in methods.items():
-        before = allocator_counts() if timer.cuda else None
-        times[name] = timer.ms(fn)
-        allocator[name] = allocator_counts(before) if timer.cuda else None
-        if timer.cuda:
-            with torch.autograd.set_multithreading_enabled(False):
-                times_ct[name] = timer.ms(fn)
         hosts[name] = timer.host_us(fn)
         if name != "torchao":  # a compiled module replays its own way; its eager figure is its real speed
             graphs[name] = timer.graph_ms(fn)
@@ -244,7 +264,8 @@ def bench_shape(model, K, N, M, args, timer, convert_torchao, torchao_why, torch
            "best_recipe_ratio_best_peer": best_tw / max(peers) if best_tw and peers else None,
            "ratio_torchao_calling_thread": (times_ct["torchao"] / times_ct["tilewise"]
                                             if "tilewise" in times_ct and "torchao" in times_ct else None),
-           "detail": {"ms": times, "calling_thread_ms": times_ct, "graph_ms": graphs, "host_us_per_iter": hosts,
+           "detail": {"ms": times, "calling_thread_ms": times_ct, "ms_by_round": rounds, "graph_ms": graphs,
+                      "host_us_per_iter": hosts,
                       "allocator_during_ms": allocator, "rel_err_vs_fp32": errs,
                       "notes": notes}}
     gemm_row = bench_gemms(model, K, N, M, xs[0].detach(), dys[0], base.weight.detach(), timer)
