@@ -373,8 +373,10 @@ _RMS_CONFIGS = {                # RMSNorm's entries where they differ from _CONF
     # before), backward 1.03x, 1.04x; at 1024 the forward takes one program a row (waves=0)
     768:    (Config(1, 1024, 4, False, 2, 1),   Config(2, 1024, 4, False, 4, 1)),
     1024:   (Config(1, 1024, 4, False, 4, 0),   Config(1, 1024, 4, False, 2, 1)),
-    4096:   (Config(1, 4096, 16),    Config(1, 4096, 16)),
-    8192:   (Config(1, 8192, 32),    Config(1, 8192, 32, num_stages=3)),
+    # 4096, 8192: the forward by 2048-wide chunks, the sweep at commit a26ae5c: GPU-only 4037 and 3962 GB/s
+    # (1.09x, 1.06x the one-tile rows before; the second chunk pass re-reads h from L2)
+    4096:   (Config(1, 2048, 8, True, 3, 1),   Config(1, 4096, 16)),
+    8192:   (Config(1, 2048, 8, True, 3, 1),   Config(1, 8192, 32, num_stages=3)),
 }
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
 
