@@ -56,6 +56,7 @@ L2_BYTES = 60e6
 TOL = {"y": 0.05, "dx": 0.08, "dw": 0.08}  # FP8 relative error norms vs fp32 (tests/fp8 justifies them)
 TOL_BF16 = 0.01
 SWEEP_WIDTHS = (768, 2048, 4096, 14336)
+GELU_WIDTHS = (3072, 8192, 14336)   # the MLP hidden widths, where the down projection casts gelu(x + b)
 
 
 def parse_args(argv=None):
@@ -324,7 +325,8 @@ def bench_gemms(model, K, N, M, x, dy, w, timer):
 # ----------------------------------------------------------------------------------------------------
 def cast_calls(t, fp8_dtype, kind, tiles=None, warps=None):
     """fn() running one cast pass of Fp8Linear's on t: "x" (copy + transposed copy + amax, delayed), "dy"
-    (the same with the bias gradient's column sums), "block" (1x128 block cast, both copies)."""
+    (the same with the bias gradient's column sums), "gelu" (the x cast of gelu(t + bias), the MLP's down
+    projection's input), "block" (1x128 block cast, both copies)."""
     from tilewise.ops import fp8_cast as fc
     M, N = t.shape
     dev = t.device
@@ -337,8 +339,9 @@ def cast_calls(t, fp8_dtype, kind, tiles=None, warps=None):
         yts = torch.empty(fc.cdiv(M, fc.BLOCK), N, device=dev)
         return lambda: fc._launch_block_cast(t, y, yt, ys, yts, amax, None, fp8_dtype, warps)  # False: no compile
     sums = torch.empty(N, device=dev) if kind == "dy" else None
+    bias = 0.1 * torch.randn(N, device=dev, dtype=t.dtype) if kind == "gelu" else None
     return lambda: fc._launch_cast(t, y, yt, one, None, 0, amax, sums, fp8_dtype, 0, False,
-                                   tiles=None if tiles is None else (tiles,))
+                                   tiles=None if tiles is None else (tiles,), gelu=kind == "gelu", gelu_bias=bias)
 
 
 def cast_rows(widths, M, timer, copy_gbps):
@@ -346,12 +349,16 @@ def cast_rows(widths, M, timer, copy_gbps):
     rows = []
     for N in widths:
         t = torch.randn(M, N, device=timer.args.device, dtype=torch.bfloat16)
-        for kind, dt in (("x", torch.float8_e4m3fn), ("dy", torch.float8_e5m2), ("block", torch.float8_e4m3fn)):
+        kinds = [("x", torch.float8_e4m3fn), ("dy", torch.float8_e5m2), ("block", torch.float8_e4m3fn)]
+        if N in GELU_WIDTHS:
+            kinds.insert(1, ("gelu", torch.float8_e4m3fn))
+        for kind, dt in kinds:
             fn = cast_calls(t, dt, kind)
             fn()
             nbytes = t.numel() * (t.element_size() + 2) + (8 * t.numel() // 128 if kind == "block" else 0)
             ms, gms = timer.ms(fn), timer.graph_ms(fn)
-            op = {"x": f"cast x -> {dt} + transpose + amax", "dy": f"cast dy -> {dt} + transpose + amax + col sums",
+            op = {"x": f"cast x -> {dt} + transpose + amax", "gelu": f"cast gelu(x + b) -> {dt} + transpose + amax",
+                  "dy": f"cast dy -> {dt} + transpose + amax + col sums",
                   "block": f"1x128 block cast -> {dt} + transpose + scales"}[kind]
             row = {"shape": {"rows": M, "cols": N, "op": op}, "unit": "GB/s", "tilewise": nbytes / (ms * 1e-3) / 1e9,
                    "tilewise_graph": nbytes / (gms * 1e-3) / 1e9 if gms else None, "detail": {"ms": ms, "graph_ms": gms}}

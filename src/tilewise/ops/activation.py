@@ -10,10 +10,13 @@ swiglu: gate_up (..., 2F) -> silu(gate) * up, gate the first half of the last di
 Backward: dgate = dy * up * s (1 + gate (1 - s)), s = sigmoid(gate); dup = dy * silu(gate). Bytes: forward
 3F a row, backward 5F a row.
 
-Math is in fp32 whatever the storage dtype.
+Math is in fp32 whatever the storage dtype. The logistic function divides with the GPU's approximate
+reciprocal (rcp.approx, within an ulp) rather than the division that `/` and tl.sigmoid compile to, which
+was a quarter of the time of the FP8 cast that fuses the GELU (see _sigmoid).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -26,10 +29,27 @@ from .launch import FastLauncher, cdiv as _cdiv
 from .norm import launch_programs, programs_per_wave, sum_partials
 
 
+# The interpreter runs no inline assembly: there _sigmoid divides.
+_APPROX_RCP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) in fp32 with rcp.approx for the division (1 + e >= 1: no subnormal; e = inf gives 0).
+    The GELU-fused FP8 cast of a 16384 x 8192 bf16 tensor took 0.278 ms with the correctly rounded division
+    and 0.204 with this on the H200 (a copy: 0.130); both differ from torch's GELU in 2e-7 of the FP8 codes."""
+    e = tl.math.exp2(-1.4426950408889634 * z)
+    if _APPROX_RCP:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / (1.0 + e)
+
+
 @triton.jit
 def gelu_tanh(u):
     """gelu_tanh(u) = u * sigmoid(2 sqrt(2/pi) (u + 0.044715 u^3)), in fp32 (also the FP8 cast's fused GELU)."""
-    return u * tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u * u * u))     # 2 sqrt(2/pi) = 1.59576...
+    return u * _sigmoid(1.5957691216057308 * (u + 0.044715 * u * u * u))     # 2 sqrt(2/pi) = 1.59576...
 
 
 @triton.jit
@@ -66,7 +86,7 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, DBp, M, N, n_tiles, HAS_BIAS: tl.constex
         if HAS_BIAS:
             u += b
         u2 = u * u
-        s = tl.sigmoid(1.5957691216057308 * (u + 0.044715 * u2 * u))     # sigmoid(2z)
+        s = _sigmoid(1.5957691216057308 * (u + 0.044715 * u2 * u))     # sigmoid(2z)
         dx = dy * (s + u * s * (1.0 - s) * (1.5957691216057308 * (1.0 + 3.0 * 0.044715 * u2)))
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_BIAS:
@@ -84,7 +104,7 @@ def _swiglu_fwd_kernel(GU, Y, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     gate_offs = r64 * (2 * F) + cols[None, :]
     g = tl.load(GU + gate_offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + gate_offs + F, mask=mask, other=0.0).to(tl.float32)
-    y = g * tl.sigmoid(g) * u
+    y = g * _sigmoid(g) * u
     tl.store(Y + r64 * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -98,7 +118,7 @@ def _swiglu_bwd_kernel(DY, GU, DGU, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     dy = tl.load(DY + r64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GU + gate_offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + gate_offs + F, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
+    s = _sigmoid(g)
     dgate = dy * u * s * (1.0 + g * (1.0 - s))
     dup = dy * g * s
     tl.store(DGU + gate_offs, dgate.to(DGU.dtype.element_ty), mask=mask)
