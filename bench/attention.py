@@ -195,47 +195,61 @@ def host_us(torch, fn, grads=()):
     return round(seconds / HOST_CALLS * 1e6, 1)
 
 
-def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_ptr, details):
+def cell_inputs(torch, head_dim, seqlen, causal):
+    """One protocol cell: its shape record, q, k, v (requiring grad), dout and the forward's FLOPs."""
     heads, batch = WIDTH // head_dim, TOKENS // seqlen
-    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal,
-             "dtype": "bf16"}
+    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal}
     gen = torch.Generator(device=DEVICE).manual_seed(seqlen + head_dim + causal)
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
                .requires_grad_() for _ in range(3))
     dout = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    fwd_flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    results = {"fwd": {}, "bwd": {}}
-    notes, diffs, host = {}, {}, {}
-    seen = {kern: len(rows) for kern, rows in attn.tuning_report().items()}
-    names = [n for n in provs if n != "tilewise_ptr" or with_ptr]
+    return shape, q, k, v, dout, 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+
+def check_then_time(torch, triton, calls, inputs, causal, rep, fwd_flops, tol, host=None):
+    """TFLOP/s forward and backward of each (name, fn, env) of calls, timed only after its output and
+    gradients agree with the first call's within tol (a call that disagrees or fails is noted, not timed).
+    host: a dict that gets each call's host microseconds per forward and backward. Returns
+    ({"fwd": {name: TFLOP/s}, "bwd": {...}}, notes, relative differences)."""
+    q, k, v, dout = inputs
+    results, notes, diffs = {"fwd": {}, "bwd": {}}, {}, {}
     ref = None
-    anchor = "sdpa_flash" if not isinstance(provs.get("sdpa_flash"), str) else None
-    order = ([anchor] if anchor else []) + [n for n in names if n != anchor]
-    for name in order:
-        prov = provs[name]
-        if isinstance(prov, str):
-            notes[name] = prov
-            continue
-        fn, env = prov
+    for name, fn, env in calls:
         try:
             with _Env(env):
                 got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes here, before timing
                 if ref is None:
-                    ref = got
+                    ref, first = got, name
                 else:
                     diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
                     diffs[name] = round(diff, 5)
-                    if not diff < AGREE_TOL:
-                        notes[name] = f"disagrees with {anchor or order[0]}: rel diff {diff:.3g}, not timed"
+                    if not diff < tol:
+                        notes[name] = f"disagrees with {first}: rel diff {diff:.3g}, not timed"
                         continue
                 ms_f, ms_b, fwd, bwd = time_fwd_bwd(triton, fn, q, k, v, causal, dout, rep)
-                host[name] = {"fwd": host_us(torch, fwd), "bwd": host_us(torch, bwd, [q, k, v])}
+                if host is not None:
+                    host[name] = {"fwd": host_us(torch, fwd), "bwd": host_us(torch, bwd, [q, k, v])}
                 del bwd   # and with it the retained graph
         except Exception as e:  # a backend that cannot run this shape (e.g. cuDNN missing) is recorded
-            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         results["fwd"][name] = fwd_flops / (ms_f * 1e-3) / 1e12
         results["bwd"][name] = 2.5 * fwd_flops / (ms_b * 1e-3) / 1e12
+    return results, notes, diffs
+
+
+def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_ptr, details):
+    shape, q, k, v, dout, fwd_flops = cell_inputs(torch, head_dim, seqlen, causal)
+    shape["dtype"] = "bf16"
+    seen = {kern: len(rows) for kern, rows in attn.tuning_report().items()}
+    names = [n for n in provs if n != "tilewise_ptr" or with_ptr]
+    anchor = "sdpa_flash" if not isinstance(provs.get("sdpa_flash"), str) else None
+    order = ([anchor] if anchor else []) + [n for n in names if n != anchor]
+    missing = {name: provs[name] for name in order if isinstance(provs[name], str)}   # why a peer is absent
+    host = {}
+    results, notes, diffs = check_then_time(torch, triton, [(n, *provs[n]) for n in order if n not in missing],
+                                            (q, k, v, dout), causal, rep, fwd_flops, AGREE_TOL, host)
+    notes.update(missing)
     # The keys this shape tuned (new entries of the report): chosen config and candidate times per kernel.
     tuned = {kern: entries[seen.get(kern, 0):] for kern, entries in attn.tuning_report().items()}
     rows = []
@@ -318,34 +332,10 @@ def fp8_providers():
 def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, details):
     """TFLOP/s of the bf16 and FP8 kernels (the FLOPs of bf16 attention; the FP8 calls include their
     quantization passes), after checking each FP8 result against the bf16 kernel's."""
-    heads, batch = WIDTH // head_dim, TOKENS // seqlen
-    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal}
-    gen = torch.Generator(device=DEVICE).manual_seed(seqlen + head_dim + causal)
-    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-               .requires_grad_() for _ in range(3))
-    dout = torch.randn(batch, seqlen, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    fwd_flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    shape, q, k, v, dout, fwd_flops = cell_inputs(torch, head_dim, seqlen, causal)
     seen = {kern: len(rows) for kern, rows in f8.tuning_report().items()}
-    results, notes, diffs = {"fwd": {}, "bwd": {}}, {}, {}
-    ref = None
-    for name, (fn, env) in provs.items():
-        try:
-            with _Env(env):
-                got = run_once(fn, q, k, v, causal, dout)  # compiles / autotunes before timing
-                if ref is None:
-                    ref = got
-                else:
-                    diff = max(rel_diff(torch, a, b) for a, b in zip(got, ref))
-                    diffs[name] = round(diff, 5)
-                    if not diff < FP8_AGREE_TOL:
-                        notes[name] = f"differs from the bf16 kernel by {diff:.3g}, not timed"
-                        continue
-                ms_f, ms_b, _, _ = time_fwd_bwd(triton, fn, q, k, v, causal, dout, rep)
-        except Exception as e:  # recorded, so the other providers and shapes still run
-            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        results["fwd"][name] = fwd_flops / (ms_f * 1e-3) / 1e12
-        results["bwd"][name] = 2.5 * fwd_flops / (ms_b * 1e-3) / 1e12
+    results, notes, diffs = check_then_time(torch, triton, [(n, *p) for n, p in provs.items()], (q, k, v, dout),
+                                            causal, rep, fwd_flops, FP8_AGREE_TOL)
     tuned = {kern: entries[seen.get(kern, 0):] for kern, entries in f8.tuning_report().items()}
     rows = []
     for direction in ("fwd", "bwd"):
