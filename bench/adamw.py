@@ -129,7 +129,7 @@ def main():
               f"({row['tilewise_frac_copy']:.2f}); x{row['ratio_torch_fused']:.2f} graphed", flush=True)
         del ref, mine, ref_params, my_params
         torch.cuda.empty_cache()
-    write_result(args.out, "adamw", results)
+    write_result(results, "adamw.json", [args.out])
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from common import git_commit
+from common import RESULTS, git_commit, write_result
 
 AGREE_TOL = 2e-2  # relative error norm between two bf16 attentions (each ~3e-3 from the exact result)
 TOKENS, WIDTH = 16384, 2048
@@ -585,7 +585,7 @@ def main(argv=None):
     if args.fp8:
         fp8 = run_fp8(torch, triton, args, t0)
         result.update(fp8_result(torch, triton, fp8, attn))
-    write_results(result, args.out)
+    write_result(result, "attention.json", [RESULTS, args.out])
     print("\n".join(tuning_lines(details)))
     for k, key, e in attn.fallbacks:
         print(f"TMA fallback: {k} {key}: {e}")
@@ -604,37 +604,25 @@ def fp8_result(torch, triton, fp8, attn):
                                   if k.startswith("fp8")]}
 
 
-def write_results(result, out):
-    text = json.dumps(result, indent=1)
-    targets = [Path(__file__).resolve().parent / "results"]
-    if out is not None:
-        targets.append(out)
-    for d in targets:
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "attention.json").write_text(text + "\n")
-        except OSError as e:
-            print(f"could not write {d / 'attention.json'}: {e}", file=sys.stderr)
-
-
 def main_fp8_only(torch, triton, args, t0):
     """The FP8 section alone, merged into the existing results/attention.json (its bf16 rows kept)."""
     from tilewise.ops import attention as attn
-    existing = Path(__file__).resolve().parent / "results" / "attention.json"
+    existing = Path(RESULTS) / "attention.json"
     try:
         result = json.loads(existing.read_text())
     except (OSError, ValueError):
         result = {"area": "attention", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "triton": triton.__version__, "commit": git_commit(),
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "rows": []}
+
     def partial(rows, details):   # accuracy not measured yet
-        write_results({**result, **fp8_result(torch, triton, (rows, [{"error": "not measured (the run stopped "
-                                                                            "before the accuracy table)"}],
-                                                               details), attn)}, args.out)
+        not_yet = [{"error": "not measured (the run stopped before the accuracy table)"}]
+        write_result({**result, **fp8_result(torch, triton, (rows, not_yet, details), attn)}, "attention.json",
+                     [RESULTS, args.out])
 
     fp8 = run_fp8(torch, triton, args, t0, on_shape=partial)
     result.update(fp8_result(torch, triton, fp8, attn))
-    write_results(result, args.out)
+    write_result(result, "attention.json", [RESULTS, args.out])
     for entry in fp8[2]:
         for kern, keys in entry["tuning"].items():
             for e in keys:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
 import socket
@@ -33,7 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import git_commit
+from common import RESULTS, git_commit, write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -300,15 +299,7 @@ def main(argv=None):
         "page_cache": "warm: each load reads files just written", "missing": missing, "targets": targets,
         "wall_s": time.perf_counter() - t_start, "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    dirs = ([os.path.join(HERE, "results")] if device == "cuda" else []) + ([args.out] if args.out else [])
-    for d in dirs:
-        try:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "checkpoint.json"), "w") as fh:
-                fh.write(text + "\n")
-        except OSError as e:
-            print(f"bench/checkpoint.py: could not write {d}/checkpoint.json: {e}", file=sys.stderr)
+    write_result(result, "checkpoint.json", [RESULTS if device == "cuda" else None, args.out])
 
     names = list(results)
     print()

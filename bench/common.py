@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the environment record of a results file and the plain PyTorch GPT.
+"""What the benchmark scripts share: the environment record of a results file, its writing, and the plain
+PyTorch GPT.
 
 The plain GPT is what a strong PyTorch user writes (nn.LayerNorm, nn.Linear, SDPA, tied embeddings); its
 parameter layout (fused qkv, tied head) lets it start from a tilewise model's weights.
@@ -6,8 +7,10 @@ parameter layout (fused qkv, tied head) lets it start from a tilewise model's we
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
+import sys
 
 import torch
 import torch.nn as nn
@@ -39,13 +42,24 @@ def environment() -> dict:
             "date": datetime.date.today().isoformat()}
 
 
-def write_result(out_dir: str | None, area: str, result: dict) -> None:
-    """result as out_dir/<area>.json (nothing without an out_dir)."""
-    if out_dir:
-        import json
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"{area}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+RESULTS = os.path.join(HERE, "results")   # the committed results files
+
+
+def write_result(result: dict, name: str, folders, default=None) -> None:
+    """result as indented JSON in folder/name for each of folders (None and "" skipped), through a temporary
+    file renamed over the old one, so a run stopped mid-write never leaves half a results file. A folder
+    that cannot be written is reported on stderr and the others still are. default: json.dumps's, for
+    values JSON has no type for."""
+    text = json.dumps(result, indent=1, default=default) + "\n"
+    for folder in filter(None, folders):
+        path = os.path.join(folder, name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            print(f"could not write {path}: {e}", file=sys.stderr)
 
 
 def allocator_counts(before: dict | None = None) -> dict | None:

@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
-from common import environment  # noqa: E402
+from common import RESULTS, environment, write_result  # noqa: E402
 
 VARIANTS = {   # name -> (config overrides, target: largest relative val-loss gap to bf16, or None)
     "bf16": ({}, None),
@@ -116,7 +116,7 @@ def main() -> int:
         with open(args.merge) as f:
             runs = {r["variant"]: r for r in json.load(f).get("runs", [])}
     work = tempfile.mkdtemp(prefix="tilewise-convergence-")
-    dests = [d for d in (os.path.join(HERE, "results") if args.device == "cuda" else None, args.out) if d]
+    dests = [d for d in (RESULTS if args.device == "cuda" else None, args.out) if d]
     try:
         for name in names:
             try:
@@ -129,10 +129,8 @@ def main() -> int:
                       "command": f"PYTHONPATH=src python3 bench/convergence.py --preset {args.preset} "
                                  f"--steps {args.steps} --variants {','.join(runs)}"
                                  + "".join(f" --set {s}" for s in args.set)}
+            write_result(result, "convergence.json", dests)
             for d in dests:
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, "convergence.json"), "w") as f:
-                    json.dump(result, f, indent=1)
                 plot(runs, os.path.join(d, "convergence.png"))
     finally:
         shutil.rmtree(work, ignore_errors=True)

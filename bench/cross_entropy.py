@@ -30,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from common import git_commit
+from common import RESULTS, git_commit, write_result
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 AREA = "cross_entropy"
 VOCAB = 50304
 AGREE = 2e-2
@@ -437,24 +434,13 @@ def main(argv=None):
               "command": "PYTHONPATH=src python3 bench/cross_entropy.py" + flags,
               "quick": args.quick, "copy_GBps": copy_bw,
               "missing": {"liger_kernel": liger_missing} if liger_missing else {}, "rows": rows}
-    write_result(result, args.out)  # before the sweep: a sweep cut short by a timeout keeps the table
+    write_result(result, f"{AREA}.json", [RESULTS, args.out])  # before the sweep: a sweep cut short by a timeout keeps the table
     if args.sweep:
         result["sweep"] = run_sweep(args, copy_bw)
-        write_result(result, args.out)
+        write_result(result, f"{AREA}.json", [RESULTS, args.out])
         print_sweep(result["sweep"])
     print_table(rows)
     return 0
-
-
-def write_result(result, out):
-    text = json.dumps(result, indent=1)
-    for folder in [os.path.join(HERE, "results")] + ([out] if out else []):
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, f"{AREA}.json"), "w") as f:
-                f.write(text + "\n")
-        except OSError as e:
-            print(f"could not write {folder}/{AREA}.json: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

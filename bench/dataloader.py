@@ -18,7 +18,6 @@ Before timing, every loader's first batch is checked against the source's own ba
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from common import PlainGPT, environment
+from common import RESULTS, PlainGPT, environment, write_result
 from tilewise.data import Prefetcher, TokenDataset, default_corpus_files, write_token_shards
 
 VOCAB = 50304
@@ -284,15 +283,7 @@ def main(argv=None):
         out["rows"].append(wait)
     shutil.rmtree(tmp, ignore_errors=True)
 
-    text_out = json.dumps(out, indent=1)
-    targets = ([os.path.join(HERE, "results")] if device.type == "cuda" else []) + ([args.out] if args.out else [])
-    for folder in targets:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, "dataloader.json"), "w") as f:
-                f.write(text_out + "\n")
-        except OSError as e:
-            print(f"could not write {folder}/dataloader.json: {e}", file=sys.stderr)
+    write_result(out, "dataloader.json", [RESULTS if device.type == "cuda" else None, args.out])
 
     cols = ["prefetcher", "synchronous"] + [f"dataloader_w{w}" for w in workers] + ["ideal"]
     print(f"\n{'source':8s} {'metric':16s} " + " ".join(f"{c:>14s}" for c in cols))

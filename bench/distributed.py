@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
-from common import environment  # noqa: E402
+from common import RESULTS, environment, write_result  # noqa: E402
 
 VARIANTS = {   # name -> (config overrides, loss tolerance against "none")
     "none": ({}, 0.0),
@@ -134,13 +134,7 @@ def main() -> int:
                                                                                 base["tokens_per_s"], 3), **r})
     result = {"area": "distributed", **environment(), "command": "PYTHONPATH=src python3 bench/distributed.py",
               "peers": {"none": "the tilewise trainer without torch.distributed (strategy none)"}, "rows": out_rows}
-    for d in filter(None, [os.path.join(HERE, "results"), args.out]):
-        try:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "distributed.json"), "w") as f:
-                json.dump(result, f, indent=1)
-        except OSError as e:
-            print(f"could not write {d}/distributed.json: {e}", file=sys.stderr)
+    write_result(result, "distributed.json", [RESULTS, args.out])
     print(f"\n{'variant':<14} {'tokens/s':>10} {'x none':>7} {'ms/step':>8} {'MFU':>6} {'peak GB':>8} {'loss':>8} "
           f"agrees")
     for r in out_rows:

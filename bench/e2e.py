@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import PlainGPT, environment  # noqa: E402
+from common import RESULTS, PlainGPT, environment, write_result  # noqa: E402
 from tilewise.config import load_config  # noqa: E402
 from tilewise.graphs import WARMUP_STEPS, StepGraph, uncaptured_optimizer_steps  # noqa: E402
 from tilewise.model import GPT  # noqa: E402
@@ -228,10 +227,7 @@ def write(rows: list[dict], args) -> None:
     command = ("TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "BENCH_TIMEOUT=480 ")
                + (f'BENCH_ARGS="{extra}" ' if extra else "") + "bash bench/h200.sh e2e")
     result = {"area": "e2e", **environment(), "command": command, "rows": rows}
-    for d in filter(None, [os.path.join(HERE, "results"), args.out]):
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "e2e.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, "e2e.json", [RESULTS, args.out])
 
 
 def main() -> int:

@@ -42,9 +42,8 @@ import time
 
 import torch
 import torch.nn as nn
-from common import allocator_counts, git_commit
+from common import RESULTS, allocator_counts, git_commit, write_result
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = [  # (model, in_features, out_features), tokens 16384 (shared/BENCH.md)
     ("8b", 4096, 14336), ("8b", 14336, 4096),
     ("1.3b", 2048, 6144), ("1.3b", 2048, 2048), ("1.3b", 2048, 8192), ("1.3b", 8192, 2048),
@@ -657,7 +656,7 @@ def main(argv=None):
         return 2
     if args.diagnose_nan:
         report = diagnose_nan(args)
-        write_json(report, [args.out] if args.out else [], "fp8_diagnose.json")
+        write_result(report, "fp8_diagnose.json", [args.out])
         return 0
     import triton
 
@@ -724,21 +723,9 @@ def main(argv=None):
         # per-row detail (times in ms, CUDA-graph ms, host time per iteration, errors vs fp32, notes), in row order
         "details": [r["detail"] for r in rows + gemm_rows + crows],
     }
-    write_json(result, ([os.path.join(HERE, "results")] if args.device == "cuda" else []) +
-               ([args.out] if args.out else []), "fp8.json")
+    write_result(result, "fp8.json", [RESULTS if args.device == "cuda" else None, args.out])
     print_summary(result, rows, gemm_rows, crows)
     return 0
-
-
-def write_json(result, folders, name):
-    text = json.dumps(result, indent=1)
-    for d in folders:
-        try:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, name), "w") as fh:
-                fh.write(text)
-        except OSError as e:
-            print(f"bench/fp8.py: could not write {d}/{name}: {e}", file=sys.stderr)
 
 
 def print_summary(result, rows, gemm_rows, crows):

@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
-from common import allocator_counts, git_commit
+from common import RESULTS, allocator_counts, git_commit, write_result
 
 NORM_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
 QUICK_NORM_SHAPES = NORM_SHAPES
@@ -178,17 +177,7 @@ class Bench:
         return time.time() - self.t0
 
     def save(self):
-        text = json.dumps(self.results, indent=1, default=str)
-        paths = [] if self.args.smoke else [os.path.join(HERE, "results", "fused.json")]
-        if self.args.out:
-            paths.append(os.path.join(self.args.out, "fused.json"))
-        for path in paths:
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as f:
-                    f.write(text + "\n")
-            except OSError as e:
-                print(f"could not write {path}: {e}")
+        write_result(self.results, "fused.json", [None if self.args.smoke else RESULTS, self.args.out], default=str)
 
     @staticmethod
     def rel(a, b):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
-from common import environment  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 from tilewise import ops  # noqa: E402
 
@@ -193,9 +192,7 @@ def main():
     print(result["rows"][-1], flush=True)
     for name, text in result["profiles"].items():
         print(f"\n===== {name}\n{text}")
-    if args.out:
-        with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, "host_overhead.json", [args.out])
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def main():
                     print("     " + line)
         del fn
         torch.cuda.empty_cache()
-    write_result(args.out, "host_trace", results)
+    write_result(results, "host_trace.json", [args.out])
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ ROOT = os.path.dirname(HERE)
 SRC = os.path.join(ROOT, "src")
 sys.path.insert(0, SRC)
 sys.path.insert(0, HERE)
-from common import git_commit  # noqa: E402
+from common import RESULTS, git_commit, write_result  # noqa: E402
 
 # Set in every launched process (and this one): NVLink multicast off in NCCL, PyTorch and NVSHMEM. A program that
 # uses multicast can put the host's shared GPUs out of service for a day or more (the device tool's KINDS.md).
@@ -825,18 +825,8 @@ def write_results(rows: list[dict], args, header: dict, not_measured: list[str])
                               "torch.compile'd, bf16 parameters, fp32 reduction, fused AdamW "
                               "(bench/multigpu_baseline.py)"},
               "multicast_off": MULTICAST_OFF, "not_measured": not_measured, "rows": merged}
-    targets = [args.out] if args.out else []
-    if args.device == "cuda":
-        targets.append(os.path.join(HERE, "results"))   # a CPU smoke run never replaces the GPU results
-    for d in targets:
-        try:
-            os.makedirs(d, exist_ok=True)
-            tmp = os.path.join(d, "multigpu.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump(result, f, indent=1)
-            os.replace(tmp, os.path.join(d, "multigpu.json"))
-        except OSError as e:
-            print(f"could not write {d}/multigpu.json: {e}", file=sys.stderr)
+    # a CPU smoke run never replaces the GPU results
+    write_result(result, "multigpu.json", [args.out, RESULTS if args.device == "cuda" else None])
     return result
 
 
