@@ -69,12 +69,15 @@ backward 0.91x / 0.92x. The CUDA-core work is not what holds them: without exp2 
 backward without exp2 0.95, without the dK/dQ rescaling 0.95, without that and the |dS| row maxima 0.92.
 What is left is the loop's shape: one warpgroup waits on each wgmma before the softmax that follows, and
 Triton 3.6 offers no overlap of the two on Hopper (tl.range(warp_specialize=True) did not compile for the
-4-warp configs and changed nothing for the 8-warp ones).
+4-warp configs and changed nothing for the 8-warp ones). An experiment, off by default and not yet timed:
+TILEWISE_FP8_ATTN_PIPELINE=1 issues each key block's Q K^T one iteration early (_fp8_fwd_blocks), in case
+the compiler then lets it run during the softmax before it; bench/attention.py --fp8-only times it.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -252,47 +255,83 @@ _quantize_launch = FastLauncher(_fp8_quantize)
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, start_n, offs_n, offs_d, seqlen_k,
+                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        k8 = desc_k.load([k_row + start_n, kv_col])
+    else:
+        k8 = _load_tile(k_base + tl.cast(start_n, tl.int64) * sks + k_offs, start_n + offs_n, seqlen_k, offs_d,
+                        HEAD_DIM, BLOCK_D, MASKED)
+    return k8
+
+
+@triton.jit
+def _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base, desc_v, vt_row, vt_col, vt_offs,
+                  qpos, offs_n, offs_d, seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK: tl.constexpr,
+                  USE_TMA: tl.constexpr, EMU: tl.constexpr):
+    """The online softmax and PV of key block start_n, given its raw scores s = Q8 K8^T."""
+    kpos = start_n + offs_n
+    blk = start_n // KV_BLOCK
+    ks = tl.load(KS + s_base + blk)
+    vs = tl.load(VS + s_base + blk)
+    c = qc * ks
+    if MASKED:
+        keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+        m_use = m_new
+    p = tl.math.exp2(s * c[:, None] - (m_use - P_LOG2)[:, None])   # P * 256, E4M3-ready; l_i too
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * (alpha * (vs_i / vs))[:, None]
+    if USE_TMA:
+        vt8 = desc_v.load([vt_row, vt_col + start_n])
+    else:
+        vt8 = _load_tile_t(vt_base + tl.cast(start_n, tl.int64) + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM,
+                           BLOCK_D, MASKED)
+    acc = tl.dot(_e4m3(p, EMU), tl.trans(vt8), acc)
+    return acc, l_i, m_new, vs
+
+
+@triton.jit
 def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k, desc_v,
                     k_row, kv_col, vt_row, vt_col, sks, std, qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
+                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr, PIPELINED: tl.constexpr):
     """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
     a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
-    of the current V block's scale vs_i / 448."""
+    of the current V block's scale vs_i / 448. PIPELINED (experimental, TILEWISE_FP8_ATTN_PIPELINE=1): the
+    next block's Q K^T is issued before this block's softmax, so the tensor cores may run it meanwhile (the
+    last iteration's is discarded)."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     vt_offs = offs_d[:, None] * std + offs_n[None, :]
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        kpos = start_n + offs_n
-        start = tl.cast(start_n, tl.int64)
-        blk = start_n // KV_BLOCK
-        ks = tl.load(KS + s_base + blk)
-        vs = tl.load(VS + s_base + blk)
-        if USE_TMA:
-            k8 = desc_k.load([k_row + start_n, kv_col])
-        else:
-            k8 = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        s = tl.dot(q8, tl.trans(k8))
-        c = qc * ks
-        if MASKED:
-            keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-            m_use = m_new
-        p = tl.math.exp2(s * c[:, None] - (m_use - P_LOG2)[:, None])   # P * 256, E4M3-ready; l_i too
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * (alpha * (vs_i / vs))[:, None]
-        if USE_TMA:
-            vt8 = desc_v.load([vt_row, vt_col + start_n])
-        else:
-            vt8 = _load_tile_t(vt_base + start + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
-        acc = tl.dot(_e4m3(p, EMU), tl.trans(vt8), acc)
-        m_i = m_new
-        vs_i = vs
+    if PIPELINED:
+        if lo < hi:
+            s = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, lo, offs_n, offs_d,
+                                                seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
+            for start_n in tl.range(lo, hi, BLOCK_N):
+                nxt = start_n + BLOCK_N
+                nxt = tl.where(nxt < hi, nxt, lo)
+                s_next = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, nxt, offs_n,
+                                                         offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
+                acc, l_i, m_i, vs_i = _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base,
+                                                    desc_v, vt_row, vt_col, vt_offs, qpos, offs_n, offs_d, seqlen_k,
+                                                    left, right, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                                                    KV_BLOCK, USE_TMA, EMU)
+                s = s_next
+    else:
+        for start_n in tl.range(lo, hi, BLOCK_N):
+            s = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, start_n, offs_n, offs_d,
+                                                seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
+            acc, l_i, m_i, vs_i = _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base, desc_v,
+                                                vt_row, vt_col, vt_offs, qpos, offs_n, offs_d, seqlen_k, left, right,
+                                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, KV_BLOCK, USE_TMA,
+                                                EMU)
     return acc, l_i, m_i, vs_i
 
 
@@ -302,7 +341,7 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr,
-             KV_BLOCK: tl.constexpr,
+             KV_BLOCK: tl.constexpr, PIPELINED: tl.constexpr,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
     quantized here (Q_PRE: already quantized by the pass, with its row scales QS: the rotated case)."""
@@ -344,18 +383,18 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                          EMU)
+                                          EMU, PIPELINED)
     if HAS_LEFT:
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
                                               desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                              EMU)
+                                              EMU, PIPELINED)
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                          EMU)
+                                          EMU, PIPELINED)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -816,7 +855,8 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
         return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate}
+    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate,
+              "PIPELINED": os.environ.get("TILEWISE_FP8_ATTN_PIPELINE", "0") == "1"}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
