@@ -325,10 +325,7 @@ def fp8_providers():
     from tilewise.ops import flash_attention, fp8_flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c), {}),
-             "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {}),
-             # experimental: each key block's Q K^T issued before the previous block's softmax (forward only)
-             "tilewise_fp8_pipelined": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c),
-                                        {"TILEWISE_FP8_ATTN_PIPELINE": "1"})}
+             "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {})}
     return found
 
 

@@ -31,12 +31,15 @@ bf16 inputs often land on E4M3 rounding ties).
 
 Passes. K and V are quantized by a pass per call (it reads them once, writes 1 byte an element, V
 transposed): FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles in
-the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q is
-quantized inside the forward kernel (by the pass only with rotate=True). The backward's pass writes Q, dO,
-K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequences start at multiples of 16
-tokens in the transposed copies (TMA tiles start 16-byte aligned). A tensor's row-major and transposed
-copies come from two launches (two reads): one kernel writing both is miscompiled by the ptxas Triton 3.6
-bundles (tilewise.ops.fp8_cast says more).
+the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q too: the
+forward kernel ran 13-14% faster on a pre-quantized Q than quantizing its Q tile itself, at every d128 cell
+of bench/attention.py (tuner timings at e2de639, the pass aside). In the sm_90 SASS (the build of
+bench/fp8_attention_sass.py) a loaded Q reaches the Q K^T wgmmas from shared memory and their four k-steps
+issue back to back, where a Q quantized in registers made each step wait for the one before. The
+backward's pass writes Q, dO, K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed
+sequences start at multiples of 16 tokens in the transposed copies (TMA tiles start 16-byte aligned). A
+tensor's row-major and transposed copies come from two launches (two reads): one kernel writing both is
+miscompiled by the ptxas Triton 3.6 bundles (tilewise.ops.fp8_cast says more).
 
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
 E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
@@ -63,21 +66,19 @@ Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each;
 and K, V at 1 byte an element once per query block (mostly from L2), writes O and the LSE.
 
 Speed, and what bounds it (H200, d128, N4096, batch 4, 16 heads; bench/fp8_attention_ablate.py's variants,
-first measured at commit 9517d98): the forward is 1.24x the bf16 kernel non-causal and 1.14x causal, the
-backward 0.91x / 0.92x. The CUDA-core work is not what holds them: without exp2 the non-causal forward runs
+first measured at commit 9517d98, when the forward still quantized Q itself): the forward was 1.24x the
+bf16 kernel non-causal and 1.14x causal, the backward 0.91x / 0.92x. The CUDA-core work is not what holds them: without exp2 the non-causal forward runs
 0.91 of its time, without exp2 and the E4M3 cast of P 0.89, without the accumulator rescaling 0.97; the
 backward without exp2 0.95, without the dK/dQ rescaling 0.95, without that and the |dS| row maxima 0.92.
 What is left is the loop's shape: one warpgroup waits on each wgmma before the softmax that follows, and
 Triton 3.6 offers no overlap of the two on Hopper (tl.range(warp_specialize=True) did not compile for the
-4-warp configs and changed nothing for the 8-warp ones). An experiment, off by default and not yet timed:
-TILEWISE_FP8_ATTN_PIPELINE=1 issues each key block's Q K^T one iteration early (_fp8_fwd_blocks), in case
-the compiler then lets it run during the softmax before it; bench/attention.py --fp8-only times it.
+4-warp configs and changed nothing for the 8-warp ones). Nor does issuing the next block's Q K^T before
+this block's softmax by hand: in the sm_90 SASS the compiler waits for it at once.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -255,96 +256,59 @@ _quantize_launch = FastLauncher(_fp8_quantize)
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, start_n, offs_n, offs_d, seqlen_k,
-                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    if USE_TMA:
-        k8 = desc_k.load([k_row + start_n, kv_col])
-    else:
-        k8 = _load_tile(k_base + tl.cast(start_n, tl.int64) * sks + k_offs, start_n + offs_n, seqlen_k, offs_d,
-                        HEAD_DIM, BLOCK_D, MASKED)
-    return k8
-
-
-@triton.jit
-def _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base, desc_v, vt_row, vt_col, vt_offs,
-                  qpos, offs_n, offs_d, seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                  HAS_RIGHT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK: tl.constexpr,
-                  USE_TMA: tl.constexpr, EMU: tl.constexpr):
-    """The online softmax and PV of key block start_n, given its raw scores s = Q8 K8^T."""
-    kpos = start_n + offs_n
-    blk = start_n // KV_BLOCK
-    ks = tl.load(KS + s_base + blk)
-    vs = tl.load(VS + s_base + blk)
-    c = qc * ks
-    if MASKED:
-        keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-        m_use = m_new
-    p = tl.math.exp2(s * c[:, None] - (m_use - P_LOG2)[:, None])   # P * 256, E4M3-ready; l_i too
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * (alpha * (vs_i / vs))[:, None]
-    if USE_TMA:
-        vt8 = desc_v.load([vt_row, vt_col + start_n])
-    else:
-        vt8 = _load_tile_t(vt_base + tl.cast(start_n, tl.int64) + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM,
-                           BLOCK_D, MASKED)
-    acc = tl.dot(_e4m3(p, EMU), tl.trans(vt8), acc)
-    return acc, l_i, m_new, vs
-
-
-@triton.jit
 def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k, desc_v,
                     k_row, kv_col, vt_row, vt_col, sks, std, qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr, PIPELINED: tl.constexpr):
+                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
     a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
-    of the current V block's scale vs_i / 448. PIPELINED (experimental, TILEWISE_FP8_ATTN_PIPELINE=1): the
-    next block's Q K^T is issued before this block's softmax, so the tensor cores may run it meanwhile (the
-    last iteration's is discarded)."""
+    of the current V block's scale vs_i / 448."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     vt_offs = offs_d[:, None] * std + offs_n[None, :]
-    if PIPELINED:
-        if lo < hi:
-            s = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, lo, offs_n, offs_d,
-                                                seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
-            for start_n in tl.range(lo, hi, BLOCK_N):
-                nxt = start_n + BLOCK_N
-                nxt = tl.where(nxt < hi, nxt, lo)
-                s_next = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, nxt, offs_n,
-                                                         offs_d, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
-                acc, l_i, m_i, vs_i = _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base,
-                                                    desc_v, vt_row, vt_col, vt_offs, qpos, offs_n, offs_d, seqlen_k,
-                                                    left, right, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
-                                                    KV_BLOCK, USE_TMA, EMU)
-                s = s_next
-    else:
-        for start_n in tl.range(lo, hi, BLOCK_N):
-            s = tl.dot(q8, tl.trans(_fp8_k_tile(k_base, desc_k, k_row, kv_col, sks, k_offs, start_n, offs_n, offs_d,
-                                                seqlen_k, MASKED, HEAD_DIM, BLOCK_D, USE_TMA)))
-            acc, l_i, m_i, vs_i = _fp8_fwd_step(acc, l_i, m_i, vs_i, s, start_n, qc, vt_base, KS, VS, s_base, desc_v,
-                                                vt_row, vt_col, vt_offs, qpos, offs_n, offs_d, seqlen_k, left, right,
-                                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, KV_BLOCK, USE_TMA,
-                                                EMU)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        kpos = start_n + offs_n
+        start = tl.cast(start_n, tl.int64)
+        blk = start_n // KV_BLOCK
+        ks = tl.load(KS + s_base + blk)
+        vs = tl.load(VS + s_base + blk)
+        if USE_TMA:
+            k8 = desc_k.load([k_row + start_n, kv_col])
+        else:
+            k8 = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q8, tl.trans(k8))
+        c = qc * ks
+        if MASKED:
+            keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: p = 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+            m_use = m_new
+        p = tl.math.exp2(s * c[:, None] - (m_use - P_LOG2)[:, None])   # P * 256, E4M3-ready; l_i too
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * (alpha * (vs_i / vs))[:, None]
+        if USE_TMA:
+            vt8 = desc_v.load([vt_row, vt_col + start_n])
+        else:
+            vt8 = _load_tile_t(vt_base + start + vt_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = tl.dot(_e4m3(p, EMU), tl.trans(vt8), acc)
+        m_i = m_new
+        vs_i = vs
     return acc, l_i, m_i, vs_i
 
 
 @triton.jit
-def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
-             sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
+def _fp8_fwd(Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
+             s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, Q_PRE: tl.constexpr,
-             KV_BLOCK: tl.constexpr, PIPELINED: tl.constexpr,
+             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, KV_BLOCK: tl.constexpr,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query blocks, heads, batch), latest query blocks first. Q comes in the input dtype and is
-    quantized here (Q_PRE: already quantized by the pass, with its row scales QS: the rotated case)."""
+    """Grid (query blocks, heads, batch), latest query blocks first. Q comes quantized by the pass, with its
+    row scales QS."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
@@ -353,14 +317,9 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
-    if Q_PRE:
-        q8 = _load_tile(Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :],
-                        offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-        qs = tl.load(QS + b64 * slb + h64 * slh + start64 + offs_m, mask=offs_m < sq, other=1.0)
-    else:
-        q = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
-                       offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-        q8, qs = _quantize_tile(q, Q, offs_d, True, False, BLOCK_D, EMU)
+    q8 = _load_tile(Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :],
+                    offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    qs = tl.load(QS + b64 * slb + h64 * slh + start64 + offs_m, mask=offs_m < sq, other=1.0)
     qc = qs * qk_scale
     off = sk - sq
     qpos = offs_m + off
@@ -383,18 +342,18 @@ def _fp8_fwd(Q, Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                          EMU, PIPELINED)
+                                          EMU)
     if HAS_LEFT:
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
                                               desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                              EMU, PIPELINED)
+                                              EMU)
     acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base, desc_k,
                                           desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n, offs_d,
                                           inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT,
                                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA,
-                                          EMU, PIPELINED)
+                                          EMU)
 
     empty = l_i == 0.0  # the row sees no key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -839,13 +798,10 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
     rot = rotation(head_dim, q.device) if rotate else None
     k8, _, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot)
     _, v8t, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
-    if rotate:
-        q8, _, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot)
-    else:
-        q8, qs = None, None
+    q8, _, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot)
     tma = _tma(q.device, head_dim)
     rows_k = 0 if packed else seqlen_k
-    scalars = (*_seq_strides(q, packed), *(_seq_strides(q8, packed) if rotate else (0, 0, 0)),
+    scalars = (*_seq_strides(q8, packed),
                *_seq_strides(k8, packed), *_t_strides(v8t, packed), *ks.stride()[:2], *_seq_strides(out, packed),
                *attn._lse_strides(heads, seqlen_q, total, packed), seqlen_q, seqlen_k, rows_k,
                0 if packed else kv_heads, heads // kv_heads,
@@ -853,10 +809,9 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
 
     def args(bm, bn, use_tma, b0):
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
-        return (q, q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
+        return (q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "Q_PRE": rotate,
-              "PIPELINED": os.environ.get("TILEWISE_FP8_ATTN_PIPELINE", "0") == "1"}
+    consts = _consts(q, left, right, packed)
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
