@@ -18,8 +18,7 @@ bf16 inputs often land on E4M3 rounding ties).
   block, so its scale is a scalar per tile, multiplied into the row factor of S; for V the running output
   is kept in units of the current block's scale and rescaled with the softmax correction.
 - P = exp(S - running max) lies in [0, 1] and is cast as P * 256 (an unscaled cast flushes p < 2^-9 to 0),
-  made directly as exp2(x + 8) (no multiply per score), the 1/256 folded into
-  the output.
+  made directly as exp2(x + 8) (no multiply per score), the 1/256 folded into the output.
 - dV = P^T dO: dO's transposed copy has one scale per head (the largest over the query heads that share a
   K/V head, whose dV the kernel sums in one accumulator), so no scale lies along the reduction and P^T,
   normalized to [0, 1] in the backward, is cast as P^T * 256 like the forward's P: no row maximum, no
@@ -67,9 +66,10 @@ and K, V at 1 byte an element once per query block (mostly from L2), writes O an
 
 Speed, and what bounds it (H200, d128, N4096, batch 4, 16 heads; bench/fp8_attention_ablate.py's variants,
 first measured at commit 9517d98, when the forward still quantized Q itself): the forward was 1.24x the
-bf16 kernel non-causal and 1.14x causal, the backward 0.91x / 0.92x. The CUDA-core work is not what holds them: without exp2 the non-causal forward runs
-0.91 of its time, without exp2 and the E4M3 cast of P 0.89, without the accumulator rescaling 0.97; the
-backward without exp2 0.95, without the dK/dQ rescaling 0.95, without that and the |dS| row maxima 0.92.
+bf16 kernel non-causal and 1.14x causal, the backward 0.91x / 0.92x. The CUDA-core work is not what holds
+them: without exp2 the non-causal forward runs 0.91 of its time, without exp2 and the E4M3 cast of P 0.89,
+without the accumulator rescaling 0.97; the backward without exp2 0.95, without the dK/dQ rescaling 0.95,
+without that and the |dS| row maxima 0.92.
 What is left is the loop's shape: one warpgroup waits on each wgmma before the softmax that follows, and
 Triton 3.6 offers no overlap of the two on Hopper (tl.range(warp_specialize=True) did not compile for the
 4-warp configs and changed nothing for the 8-warp ones). Nor does issuing the next block's Q K^T before
