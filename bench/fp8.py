@@ -12,10 +12,10 @@ linear shape of shared/BENCH.md (GPT-2 124M, the 1.3B preset, an 8B-class MLP):
 Each figure is do_bench's (host time included: what an eager training step sees), the median over interleaved
 rounds that time every method alike (timed_in_rounds); `<name>_graph_ms` in the details is the same call
 replayed from a CUDA graph (GPU time only, what a captured step sees), and `host_us_per_iter` the host time
-of a call. Also reported: the three GEMMs alone (FP8 _scaled_mm on
-pre-cast operands, tensorwise and blockwise, vs bf16 mm), the fused cast kernels' GB/s against a device copy
-(eager and graphed), and Fp8State.step() for a GPT-2 124M sized state. Outputs are checked against an fp32
-GEMM before anything is timed.
+of a call. Also reported: the three GEMMs alone (FP8 _scaled_mm on pre-cast operands, tensorwise and
+blockwise, vs bf16 mm), the fused cast kernels' GB/s against a device copy (eager and graphed), and
+Fp8State.step() for a GPT-2 124M sized state. Outputs are checked against an fp32 GEMM before anything is
+timed.
 
     PYTHONPATH=src python3 bench/fp8.py --out DIR [--quick] [--sweep] [--diagnose-nan]
 
