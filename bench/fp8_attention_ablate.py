@@ -78,11 +78,10 @@ def load_variant(name: str, subs, folder: str):
 
 
 def time_fwd_bwd(fn, q, k, v, dout, causal, flops):
-    from triton.testing import do_bench
-    out = fn(q, k, v, causal)
-    fwd = do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
-    bwd = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=25, rep=100, grad_to_none=[q, k, v],
-                   return_mode="median")
+    """bench/attention.py's timing (do_bench medians, the backward over one retained graph), as TFLOP/s too."""
+    import triton
+    from attention import time_fwd_bwd as attention_timing
+    fwd, bwd, _, _ = attention_timing(triton, fn, q, k, v, causal, dout, 100)
     return {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9, "bwd_tflops": 2.5 * flops / bwd / 1e9}
 
 

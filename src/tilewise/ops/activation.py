@@ -16,7 +16,6 @@ was a quarter of the time of the FP8 cast that fuses the GELU (see _sigmoid).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -24,13 +23,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .dispatch import use_triton
+from .dispatch import INTERPRET, use_triton
 from .launch import FastLauncher, cdiv as _cdiv
 from .norm import launch_programs, programs_per_wave, sum_partials
 
 
 # The interpreter runs no inline assembly: there _sigmoid divides.
-_APPROX_RCP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_APPROX_RCP = tl.constexpr(not INTERPRET)
 
 
 @triton.jit

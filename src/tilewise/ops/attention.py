@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from .dispatch import use_triton
+from .dispatch import INTERPRET as _INTERPRET, use_triton
 from .launch import FastLauncher
 
 try:
@@ -75,7 +75,6 @@ except ImportError:  # a Triton without host descriptors: pointer loads only
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # read inside a kernel: compiled Triton accepts only constexpr globals
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------

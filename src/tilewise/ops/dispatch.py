@@ -7,6 +7,8 @@ import os
 import torch
 
 MODES = ("auto", "triton", "reference")
+# Triton's interpreter (the kernels on CPU tensors): read once, as Triton reads it when it is imported
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _mode_from_env() -> str:

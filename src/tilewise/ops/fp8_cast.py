@@ -43,7 +43,6 @@ never results.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -54,7 +53,7 @@ import triton.language as tl
 import triton.runtime.errors
 
 from .activation import gelu_tanh
-from .dispatch import use_triton
+from .dispatch import INTERPRET as _INTERPRET, use_triton
 from .launch import FastLauncher, cdiv
 from .norm import sum_partials
 
@@ -292,9 +291,6 @@ _TILES = {"t": (64, 128, 8), "y": (64, 128, 8), "sums": (64, 64, 4)}
 # take 182, 4 spill.
 _BLOCK_WARPS = 16
 _INTERPRETER_TILE = (32, 32, 4)
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it at decoration
 
 
 def _on_gpu(x) -> bool:
