@@ -36,7 +36,7 @@ def variants(d: int):
     """name -> (kernel, extra constexprs, descriptor blocks (as functions of bm, bn))."""
     from tilewise.ops import fp8_attention as f8
     return {
-        "fp8_fwd": (f8._fp8_fwd, {}, lambda bm, bn: {"desc_k": (bn, d), "desc_v": (d, bn)}),
+        "fp8_fwd": (f8._fp8_fwd, {"ROTATE": False}, lambda bm, bn: {"desc_k": (bn, d), "desc_v": (d, bn)}),
         "fp8_dkdv": (f8._fp8_bwd_dkdv, {"GQA": False, "ROTATE": False},
                      lambda bm, bn: {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}),
         "fp8_dq": (f8._fp8_bwd_dq, {"ROTATE": False},
@@ -71,14 +71,14 @@ def compile_sass(fn, descs: dict, constexprs: dict, cfg) -> str:
 
 
 def inner_loop(sass: str) -> list[str]:
-    """The opcodes of the first backward branch's body that holds a wgmma (predicates and modifiers dropped)."""
+    """The instructions of the first backward branch's body that holds a wgmma, predicates dropped."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     for addr, text in ins:
         target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
             if any("GMMA" in t for t in body):
-                return [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
+                return [re.sub(r"^@!?U?P\w+\s+", "", t).strip() for t in body]
     return []
 
 
@@ -90,10 +90,14 @@ def report(name: str, cfg, causal: bool, d: int = 128) -> dict:
                   KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, BLOCK_M=bm, BLOCK_N=bn, **extra)
     sass = compile_sass(fn, descs(bm, bn), {k: v for k, v in consts.items() if k in fn.arg_names}, cfg)
     loop = inner_loop(sass)
+    ops = [t.split()[0].split(".")[0] for t in loop]
     return {"kernel": name, "config": list(cfg), "causal": causal,
             "spills": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
             "fp8_mma": len(re.findall(r"QGMMA\.\S+E4M3\.E4M3", sass)),
-            "inner_loop": len(loop), "inner_loop_ops": dict(collections.Counter(loop).most_common())}
+            # waits on the tensor cores in the loop: a wgmma whose A operand sits in registers waits after
+            # each of its k-steps; from shared memory the k-steps issue back to back, one wait for them all
+            "inner_loop_wgmma_waits": sum(t.startswith("WARPGROUP.DEPBAR") for t in loop),
+            "inner_loop": len(loop), "inner_loop_ops": dict(collections.Counter(ops).most_common())}
 
 
 def main(argv=None) -> int:
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
             if not args.json:
                 top = ", ".join(f"{k} {v}" for k, v in list(r["inner_loop_ops"].items())[:12])
                 print(f"{name:14} {str(tuple(cfg)):16} causal={causal!s:5} spills {r['spills']:3}  "
-                      f"E4M3 wgmma {r['fp8_mma']:3}  inner loop {r['inner_loop']:4} instructions: {top}")
+                      f"E4M3 wgmma {r['fp8_mma']:3}  inner loop {r['inner_loop']:4} instructions, "
+                      f"{r['inner_loop_wgmma_waits']} wgmma waits: {top}")
     if args.json:
         print(json.dumps(out))
     return 0

@@ -454,7 +454,8 @@ def test_round_e4m3_matches_torch():
 def test_sm90_builds_use_fp8_wgmma_and_do_not_spill():
     """The default config of each FP8 kernel (head_dim 128, descriptor loads, causal and not), compiled for
     sm_90 ahead of time with Triton's own ptxas by bench/fp8_attention_sass.py (no GPU needed): its GEMMs are
-    E4M3 wgmma (QGMMA) and it keeps everything in registers."""
+    E4M3 wgmma (QGMMA), it keeps everything in registers, and its inner loop waits on the tensor cores at
+    most twice."""
     import json
     import os
     import subprocess
@@ -474,6 +475,9 @@ def test_sm90_builds_use_fp8_wgmma_and_do_not_spill():
         assert got["fp8_mma"] >= 2, f"{what}: no E4M3 wgmma"
         assert got["spills"] == 0, f"{what}: {got['spills']} local loads/stores (register spills)"
         assert got["inner_loop"] > 0, f"{what}: no inner loop found"
+        # an operand in registers makes each k-step of its wgmma wait for the one before (the forward's Q
+        # tile did, 8 waits a loop, until it went through memory)
+        assert got["inner_loop_wgmma_waits"] <= 2, f"{what}: {got['inner_loop_wgmma_waits']} wgmma waits a loop"
 
 
 # ------------------------------------------------------------------------------------------ H200

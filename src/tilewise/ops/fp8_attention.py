@@ -12,7 +12,7 @@ PyTorch emulation put each value on the same E4M3 bits (a divided scale rounds d
 bf16 inputs often land on E4M3 rounding ties).
 - Q and dO: one scale per row (token, head). A row scale of the left operand of S = Q K^T or dP = dO V^T
   is a row scale of the product, folded into the FMA that already scales each score, so it costs nothing,
-  and it depends on the row alone: the forward (which quantizes its Q tile in registers) and the backward
+  and it depends on the row alone: the forward (each program quantizes its own Q tile) and the backward
   (which quantizes Q in a pass) get the same bits whatever their tiles.
 - K and V: one scale per block of KV_BLOCK (128) rows of one head of one sequence. A key tile lies in one
   block, so its scale is a scalar per tile, multiplied into the row factor of S; for V the running output
@@ -30,15 +30,18 @@ bf16 inputs often land on E4M3 rounding ties).
 
 Passes. K and V are quantized by a pass per call (it reads them once, writes 1 byte an element, V
 transposed): FP8 wgmma wants both operands K-major, so PV needs V^T in memory, and quantizing K/V tiles in
-the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q too: the
-forward kernel ran 13-14% faster on a pre-quantized Q than quantizing its Q tile itself, at every d128 cell
-of bench/attention.py (tuner timings at e2de639, the pass aside). In the sm_90 SASS (the build of
-bench/fp8_attention_sass.py) a loaded Q reaches the Q K^T wgmmas from shared memory and their four k-steps
-issue back to back, where a Q quantized in registers made each step wait for the one before. The
-backward's pass writes Q, dO, K (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed
-sequences start at multiples of 16 tokens in the transposed copies (TMA tiles start 16-byte aligned). A
-tensor's row-major and transposed copies come from two launches (two reads): one kernel writing both is
-miscompiled by the ptxas Triton 3.6 bundles (tilewise.ops.fp8_cast says more).
+the loop would redo it once per query block, on the CUDA cores the softmax already keeps busy. Q is
+quantized by the forward kernel, each program its own tile, but through memory: the program stores its E4M3
+tile to a scratch copy and loads it back after a barrier. Used straight from registers, the tile became the
+register operand of the Q K^T wgmma, whose four k-steps then each waited for the one before (sm_90 SASS,
+bench/fp8_attention_sass.py: 8 wgmma waits in the inner loop against 1), and that kernel ran 13-14% slower
+than one loading a pre-quantized Q at every d128 cell (tuner timings at e2de639); a loaded tile reaches
+the wgmmas from shared memory, k-steps back to back. The round trip costs a 1-byte store and an L2 read
+an element; a pass would read Q (2 bytes) again and add a launch. The backward's pass writes Q, dO, K
+(each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequences start at multiples of 16
+tokens in the transposed copies (TMA tiles start 16-byte aligned). A tensor's row-major and transposed
+copies come from two launches (two reads): one kernel writing both is miscompiled by the ptxas Triton 3.6
+bundles (tilewise.ops.fp8_cast says more).
 
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
 E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
@@ -62,10 +65,11 @@ only spreading them helps, more as head_dim grows (output RMSE 2.2-3.9x lower th
 in the kernels' epilogues (a tf32 dot with R^T).
 
 Bytes, forward: the pass reads K, V (2 bytes an element) and writes 1 byte each; the kernel reads Q once
-and K, V at 1 byte an element once per query block (mostly from L2), writes O and the LSE.
+(and its 1-byte scratch copy, from L2) and K, V at 1 byte an element once per query block (mostly from
+L2), writes O, the LSE and the scratch copy.
 
 Speed, and what bounds it (H200, d128, N4096, batch 4, 16 heads; bench/fp8_attention_ablate.py's variants,
-first measured at commit 9517d98, when the forward still quantized Q itself): the forward was 1.24x the
+first measured at commit 9517d98, when the forward used its Q tile from registers): the forward was 1.24x the
 bf16 kernel non-causal and 1.14x causal, the backward 0.91x / 0.92x. The CUDA-core work is not what holds
 them: without exp2 the non-causal forward runs 0.91 of its time, without exp2 and the E4M3 cast of P 0.89,
 without the accumulator rescaling 0.97; the backward without exp2 0.95, without the dK/dQ rescaling 0.95,
@@ -301,14 +305,15 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
 
 
 @triton.jit
-def _fp8_fwd(Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
-             s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
+def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
+             sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, KV_BLOCK: tl.constexpr,
+             VARLEN: tl.constexpr, USE_TMA: tl.constexpr, KV_BLOCK: tl.constexpr, ROTATE: tl.constexpr,
              EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query blocks, heads, batch), latest query blocks first. Q comes quantized by the pass, with its
-    row scales QS."""
+    """Grid (query blocks, heads, batch), latest query blocks first. The program quantizes its Q tile
+    (rotated first with ROTATE) and passes it through Q8, a scratch copy it writes and reads back: a loaded
+    tile feeds the Q K^T wgmmas from shared memory (see the module docstring)."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
@@ -317,9 +322,13 @@ def _fp8_fwd(Q8, QS, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
-    q8 = _load_tile(Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :],
-                    offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    qs = tl.load(QS + b64 * slb + h64 * slh + start64 + offs_m, mask=offs_m < sq, other=1.0)
+    x = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
+                   offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    x8, qs = _quantize_tile(x, ROT, offs_d, True, ROTATE, BLOCK_D, EMU)
+    q8_ptrs = Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :]
+    _store_tile(q8_ptrs, x8, offs_m, sq, offs_d, HEAD_DIM)
+    tl.debug_barrier()   # every thread's share of the tile is in memory before any thread reads it back
+    q8 = _load_tile(q8_ptrs, offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     qc = qs * qk_scale
     off = sk - sq
     qpos = offs_m + off
@@ -798,10 +807,10 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
     rot = rotation(head_dim, q.device) if rotate else None
     k8, _, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot)
     _, v8t, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
-    q8, _, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot)
+    q8 = _new(q.shape, _FP8, q.device)   # the kernel's scratch for its quantized Q tiles
     tma = _tma(q.device, head_dim)
     rows_k = 0 if packed else seqlen_k
-    scalars = (*_seq_strides(q8, packed),
+    scalars = (*_seq_strides(q, packed), *_seq_strides(q8, packed),
                *_seq_strides(k8, packed), *_t_strides(v8t, packed), *ks.stride()[:2], *_seq_strides(out, packed),
                *attn._lse_strides(heads, seqlen_q, total, packed), seqlen_q, seqlen_k, rows_k,
                0 if packed else kv_heads, heads // kv_heads,
@@ -809,9 +818,9 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
 
     def args(bm, bn, use_tma, b0):
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
-        return (q8, qs, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
+        return (q, q8, rot, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = _consts(q, left, right, packed)
+    consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
