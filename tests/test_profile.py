@@ -36,6 +36,7 @@ def test_summary_busy_idle_and_exposed_communication():
     assert ms["communication_exposed"] == 15   # 30 of its 40 ms ran beside no compute kernel
     assert {k["name"] for k in got["top_kernels"][:2]} == {"cutlass_gemm", "ncclDevKernel_AllGather"}
     assert all(k["calls"] == 0.5 for k in got["top_kernels"])   # one launch each over two steps
+    assert [(k["name"], k["ms"]) for k in got["memory_bound_kernels"]] == [("_norm_fwd", 5), ("Memcpy DtoD", 2.5)]
     assert summarize_trace([events[3]], 1) == {"error": "the profiler recorded no GPU activity"}
 
 

@@ -79,12 +79,17 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     comm, compute = _union(comm), _union(compute)
     wall = max(t for _, t in everything) - min(s for s, _ in everything)
     ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731  (trace times are microseconds)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+
+    def listing(kernels):
+        return [{"name": n[:120], "kind": kind_of(n), "ms": ms(v), "calls": round(calls[n] / steps, 2)}
+                for n, v in kernels]
     return {"breakdown_ms": {**{k: ms(v) for k, v in by_kind.items()}, "idle": ms(wall - _length(busy)),
                              "busy": ms(_length(busy)), "wall": ms(wall),
                              "communication_exposed": ms(_length(comm) - _overlap(comm, compute))},
-            "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms": ms(v), "calls": round(calls[n] / steps, 2)}
-                            for n, v in top]}
+            "top_kernels": listing(ranked[:12]),
+            # the many small kinds of kernel between the GEMMs, where a step's time above its floor hides
+            "memory_bound_kernels": listing([kv for kv in ranked if kind_of(kv[0]) == "memory_bound"][:30])}
 
 
 def trace_events(prof) -> list[dict]:
