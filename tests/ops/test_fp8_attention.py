@@ -233,6 +233,21 @@ def test_forward_matches_emulation_closely_on_one_key_tile(device, tma):
     assert _rel(out, fp8_attention_reference(q, k, v)) < 4e-3  # bf16 output rounding (2^-9) dominates
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_q_quantized_in_the_kernel_matches_the_pass(rotate, device, tma, monkeypatch):
+    """The forward kernel's own Q quantization (TILEWISE_FP8_ATTN_QPASS unset) and the pass's put Q on the
+    same E4M3 bits with the same scales: outputs and LSE bitwise equal, on a ragged last query tile."""
+    tma("ptr")
+    q, k, v = qkv(2, 45, 45, 2, 1, 32, device=device)
+    got = {}
+    for q_pass in ("0", "1"):
+        monkeypatch.setenv("TILEWISE_FP8_ATTN_QPASS", q_pass)
+        with ops.use("triton"):
+            got[q_pass] = fp8_flash_attention(q, k, v, causal=True, rotate=rotate, return_lse=True)
+    for a, b in zip(got["0"], got["1"]):
+        assert torch.equal(a, b)
+
+
 def test_zero_inputs_and_no_keys(device, tma):
     """All-zero K and V (amax 0: scale 1, no division by zero), and seqlen_k = 0 (output 0, lse -inf)."""
     tma("ptr")
