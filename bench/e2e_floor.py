@@ -3,7 +3,7 @@
 bench/e2e.py measures the step and splits its GPU time by kind of kernel (bench/results/e2e.json). This
 script asks what each kind could take at best and whether the issue's targets fit under that:
 - GEMMs: the faster of the two measured. tilewise and the baseline run cuBLAS on the same shapes (their
-  GEMM times agree within 2%: tilewise's output projection goes in chunks), at 700-730 TFLOP/s; nothing
+  GEMM times differ by 0.5-2%: tilewise's output projection goes in chunks), at 700-730 TFLOP/s; nothing
   here makes them faster.
 - attention: the faster of the two measured (the baseline's SDPA picks cuDNN on the H200).
 - memory-bound kernels: every op's bytes (each input read once, each output written once, in the dtypes
