@@ -47,8 +47,9 @@ def model_shape(preset: str) -> dict:
 def params(s: dict) -> dict:
     d, f, layers = s["d"], s["f"], s["layers"]
     per_layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-    linear = layers * (3 * d * d + d * d + 2 * d * f) + VOCAB * d      # the tied head is a GEMM operand too
-    return {"total": VOCAB * d + s["seq"] * d + layers * per_layer + 2 * d, "linear_weights": linear}
+    linear = layers * (3 * d * d + d * d + 2 * d * f)     # the blocks' Linear weights (the tied head apart)
+    return {"total": VOCAB * d + s["seq"] * d + layers * per_layer + 2 * d, "linear_weights": linear,
+            "head": VOCAB * d}
 
 
 def memory_bound_bytes(s: dict, tokens: int) -> dict:
@@ -77,7 +78,7 @@ def memory_bound_bytes(s: dict, tokens: int) -> dict:
 
 def floor_row(config: str, rows: dict, copy_gbps: float) -> dict:
     """rows: e2e.json's rows of one config, by variant."""
-    batch, seq = rows["compiled_baseline"]["_shape"]["batch"], rows["compiled_baseline"]["_shape"]["seqlen"]
+    batch, seq = rows["compiled_baseline"]["shape"]["batch"], rows["compiled_baseline"]["shape"]["seqlen"]
     s = model_shape(config)
     p = params(s)
     tw = rows["tilewise_graphs"]
@@ -107,7 +108,9 @@ def floor_row(config: str, rows: dict, copy_gbps: float) -> dict:
         "floor_ms": {k: round(v, 2) for k, v in floor.items()},
         "measured_ms": measured,
         "memory_bound_floor_ms_by_op": {k: round(to_ms(v), 3) for k, v in mem.items()},
-        "autocast_weight_casts_ms": round(to_ms(12 * p["linear_weights"]), 2),
+        # fp32 -> bf16 in the forward (6 bytes a weight, the head's too); bf16 gradients back to fp32 (6 more;
+        # the fused cross-entropy writes the head's gradient in fp32 itself)
+        "autocast_weight_casts_ms": round(to_ms(12 * p["linear_weights"] + 6 * p["head"]), 2),
         "params": p["total"],
     }
 
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         e2e = json.load(f)
     by_config: dict = {}
     for r in e2e["rows"]:
-        by_config.setdefault(r["shape"]["config"], {})[r["variant"]] = {**r, "_shape": r["shape"]}
+        by_config.setdefault(r["shape"]["config"], {})[r["variant"]] = r
     out = [floor_row(config, rows, args.copy_gbps) for config, rows in by_config.items()
            if {"compiled_baseline", "tilewise_graphs"} <= rows.keys()]
     # the run it bounds names the machine and commit; the figures are arithmetic on that run's breakdown

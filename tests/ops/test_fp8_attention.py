@@ -77,6 +77,15 @@ def _rel(x, ref):
     return (num / den).item() if den > 0 else num.item()
 
 
+def _forwards_by_q_path(inputs, rotate, monkeypatch):
+    """(out, lse) of a causal FP8 forward with Q quantized by the kernel, then by the pass."""
+    results = []
+    for q_pass in ("0", "1"):
+        monkeypatch.setenv("TILEWISE_FP8_ATTN_QPASS", q_pass)
+        results.append(fp8_flash_attention(*inputs, causal=True, rotate=rotate, return_lse=True))
+    return results
+
+
 def _rmse(x, ref):
     return (x.double() - ref.double()).pow(2).mean().sqrt().item()
 
@@ -238,13 +247,9 @@ def test_q_quantized_in_the_kernel_matches_the_pass(rotate, device, tma, monkeyp
     """The forward kernel's own Q quantization (TILEWISE_FP8_ATTN_QPASS unset) and the pass's put Q on the
     same E4M3 bits with the same scales: outputs and LSE bitwise equal, on a ragged last query tile."""
     tma("ptr")
-    q, k, v = qkv(2, 45, 45, 2, 1, 32, device=device)
-    got = {}
-    for q_pass in ("0", "1"):
-        monkeypatch.setenv("TILEWISE_FP8_ATTN_QPASS", q_pass)
-        with ops.use("triton"):
-            got[q_pass] = fp8_flash_attention(q, k, v, causal=True, rotate=rotate, return_lse=True)
-    for a, b in zip(got["0"], got["1"]):
+    with ops.use("triton"):
+        in_kernel, from_pass = _forwards_by_q_path(qkv(2, 45, 45, 2, 1, 32, device=device), rotate, monkeypatch)
+    for a, b in zip(in_kernel, from_pass):
         assert torch.equal(a, b)
 
 
@@ -544,12 +549,8 @@ def test_gpu_q_quantized_in_the_kernel_matches_the_pass(rotate, tma, monkeypatch
     and LSE bitwise equal); with it, Q R comes from differently shaped tensor-core tiles, which may round a
     sum differently and move a code by one step."""
     tma("tma")
-    q, k, v = qkv(2, 2048, 2048, 16, 8, 128, device="cuda")
-    got = {}
-    for q_pass in ("0", "1"):
-        monkeypatch.setenv("TILEWISE_FP8_ATTN_QPASS", q_pass)
-        got[q_pass] = fp8_flash_attention(q, k, v, causal=True, rotate=rotate, return_lse=True)
-    for a, b in zip(got["0"], got["1"]):
+    in_kernel, from_pass = _forwards_by_q_path(qkv(2, 2048, 2048, 16, 8, 128, device="cuda"), rotate, monkeypatch)
+    for a, b in zip(in_kernel, from_pass):
         assert torch.equal(a, b) if not rotate else _rel(a, b) < 1e-2
 
 
