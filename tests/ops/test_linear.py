@@ -1,0 +1,103 @@
+"""ops.linear: under autocast with an fp32 weight, MasterWeightLinear against F.linear under autocast and a
+float64 reference of the same (autocast-rounded) operands.
+
+y and dx round to the autocast dtype as F.linear's do; dW and db are fp32 in the parameters' layout, and
+since they are never rounded to bf16 they sit far closer to the float64 reference than F.linear's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilewise import ops
+from tilewise.ops.linear import MasterWeightLinear
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def make(shape_x, out_features, bias=True, device="cpu", x_dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape_x, generator=g).to(device, x_dtype)
+    w = (torch.randn(out_features, shape_x[-1], generator=g) / shape_x[-1] ** 0.5).to(device)
+    b = torch.randn(out_features, generator=g).to(device) if bias else None
+    dy = torch.randn(*shape_x[:-1], out_features, generator=g).to(device, torch.bfloat16)
+    return x, w, b, dy
+
+
+def run(fn, x, w, b, dy, mode="triton"):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    with ops.use(mode), torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y = fn(*leaves)
+    y.backward(dy)
+    return y, [t.grad if t is not None else None for t in leaves]
+
+
+def reference(x, w, b, dy):
+    """float64 of the operands autocast multiplies (x, w, b rounded to bf16): y, dx, dW, db."""
+    x64, w64 = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+    dy64 = dy.double().reshape(-1, dy.shape[-1])
+    y = x64 @ w64.t() + (b.to(torch.bfloat16).double() if b is not None else 0)
+    dx = (dy64 @ w64).view(x.shape)
+    dw = dy64.t() @ x64.reshape(-1, x.shape[-1])
+    return y, dx, dw, (dy64.sum(0) if b is not None else None)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_master_weight_linear_matches_autocast_and_float64(bias, x_dtype):
+    x, w, b, dy = make((3, 37, 96), 80, bias, x_dtype=x_dtype)
+    y, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+    assert y.grad_fn is not None and "MasterWeightLinear" in type(y.grad_fn).__name__
+    y_ref, (dx_ref, dw_ref, db_ref) = run(F.linear, x, w, b, dy, mode="reference")
+    y64, dx64, dw64, db64 = reference(x, w, b, dy)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and dx.dtype == x_dtype and dx.shape == x.shape
+    assert rel_err(y, y64) <= 2 * max(rel_err(y_ref, y64), 2 ** -9)
+    assert rel_err(dx, dx64) <= 2 * max(rel_err(dx_ref, dx64), 2 ** -9)
+    # the weight's gradient: fp32, the weight's layout, and not rounded to bf16 on the way (autocast's is)
+    assert dw.dtype == torch.float32 and dw.shape == w.shape and dw.stride() == w.stride()
+    assert rel_err(dw, dw64) < 1e-5 < rel_err(dw_ref, dw64)
+    if bias:
+        assert db.dtype == torch.float32 and rel_err(db, db64) < 1e-5
+
+
+def test_only_fp32_weights_under_autocast_take_the_function():
+    """Without autocast, in reference mode, with a bf16 weight or without grad: plain F.linear."""
+    x, w, b, _ = make((5, 16), 8)
+    w_leaf = w.clone().requires_grad_()
+    with ops.use("triton"):
+        assert ops.linear(x.float(), w_leaf, b).grad_fn.name() != "MasterWeightLinearBackward"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert "MasterWeightLinear" in type(ops.linear(x, w_leaf, b).grad_fn).__name__
+            bf16_w = w.to(torch.bfloat16).requires_grad_()
+            assert "MasterWeightLinear" not in type(ops.linear(x, bf16_w).grad_fn).__name__
+            with torch.no_grad():
+                assert ops.linear(x, w_leaf, b).grad_fn is None
+    with ops.use("reference"), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "MasterWeightLinear" not in type(ops.linear(x, w_leaf, b).grad_fn).__name__
+
+
+def test_frozen_weight_and_input_without_grad():
+    """needs_input_grad: a frozen weight gets no gradient, an input that needs none gets none."""
+    x, w, b, dy = make((4, 9, 32), 24)
+    w_frozen, b_leaf = w.clone(), b.clone().requires_grad_()
+    x_leaf = x.clone().requires_grad_()
+    with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = MasterWeightLinear.apply(x_leaf, w_frozen, b_leaf, torch.bfloat16)
+    y.backward(dy)
+    assert w_frozen.grad is None and x_leaf.grad is not None and b_leaf.grad.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_gpu_master_weight_linear_at_a_real_size():
+    """The cuBLAS fp32-output GEMM (torch.mm with out_dtype) on the 1.3B model's qkv shape, against autocast's
+    F.linear and float64."""
+    x, w, b, dy = make((2, 2048, 2048), 6144, device="cuda", seed=3)
+    y, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+    y_ref, (dx_ref, dw_ref, _) = run(F.linear, x, w, b, dy, mode="reference")
+    y64, dx64, dw64, db64 = reference(x, w, b, dy)
+    assert rel_err(y, y64) <= 2 * max(rel_err(y_ref, y64), 2 ** -9)
+    assert rel_err(dx, dx64) <= 2 * max(rel_err(dx_ref, dx64), 2 ** -9)
+    assert dw.dtype == torch.float32 and dw.stride() == w.stride()
+    assert rel_err(dw, dw64) < 1e-4 < rel_err(dw_ref, dw64)
+    assert rel_err(db, db64) < 1e-4
