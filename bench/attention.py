@@ -325,10 +325,7 @@ def fp8_providers():
     from tilewise.ops import flash_attention, fp8_flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {}),
              "tilewise_fp8": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c), {}),
-             "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {}),
-             # an A/B for one GPU run: Q quantized by a pass before the forward kernel, as before a7f17e2
-             "tilewise_fp8_qpass": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c),
-                                    {"TILEWISE_FP8_ATTN_QPASS": "1"})}
+             "tilewise_fp8_rot": (lambda q, k, v, c: fp8_flash_attention(q, k, v, causal=c, rotate=True), {})}
     return found
 
 

@@ -36,7 +36,7 @@ def variants(d: int):
     """name -> (kernel, extra constexprs, descriptor blocks (as functions of bm, bn))."""
     from tilewise.ops import fp8_attention as f8
     return {
-        "fp8_fwd": (f8._fp8_fwd, {"ROTATE": False, "Q_PASS": False},
+        "fp8_fwd": (f8._fp8_fwd, {"ROTATE": False},
                     lambda bm, bn: {"desc_k": (bn, d), "desc_v": (d, bn)}),
         "fp8_dkdv": (f8._fp8_bwd_dkdv, {"GQA": False, "ROTATE": False},
                      lambda bm, bn: {"desc_q": (bm, d), "desc_do": (bm, d), "desc_qt": (d, bm), "desc_dot": (d, bm)}),

@@ -37,11 +37,10 @@ register operand of the Q K^T wgmma, whose four k-steps then each waited for the
 bench/fp8_attention_sass.py: 8 wgmma waits in the inner loop against 1), and that kernel ran 13-14% slower
 than one loading a pre-quantized Q at every d128 cell (tuner timings at e2de639); a loaded tile reaches
 the wgmmas from shared memory, k-steps back to back. The round trip costs a 1-byte store and an L2 read
-an element; a pass would read Q (2 bytes) again and add a launch. But each program's prologue now waits
-for a bf16 load, a row reduction and the round trip before its first wgmma, which a causal program (half
-the key blocks) feels more: not yet timed, so TILEWISE_FP8_ATTN_QPASS=1 keeps the pass (the kernel then
-loads its Q tile and scales; bitwise the same result), and bench/attention.py --fp8-only times both
-(tilewise_fp8, tilewise_fp8_qpass); the slower goes after that run. The backward's pass writes Q, dO, K
+an element; a pass would read Q (2 bytes) again and add a launch. Against a forward loading Q from a pass
+(H200, commit 194bc8f, bench/attention.py --fp8-only, d128, forward TFLOP/s), the kernel's own quantization
+was faster at N=4096 (666.8 vs 638.0 non-causal, 542.8 vs 539.6 causal) and N=16384 non-causal (739.1 vs
+710.2), slower at N=16384 causal (681.8 vs 695.0); the pass was removed. The backward's pass writes Q, dO, K
 (each also transposed, for the dK, dV, dQ GEMMs) and V in FP8; packed sequences start at multiples of 16
 tokens in the transposed copies (TMA tiles start 16-byte aligned). A tensor's row-major and transposed
 copies come from two launches (two reads): one kernel writing both is miscompiled by the ptxas Triton 3.6
@@ -87,7 +86,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Optional
 
 import torch
@@ -310,17 +308,15 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
 
 
 @triton.jit
-def _fp8_fwd(Q, Q8, QS, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
+def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              sqb, sqs, sqh, s8qb, s8qs, s8qh, skb, sks, skh, stb, sth, std, ssb, ssh, sob, sos, soh, slb, slh,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              VARLEN: tl.constexpr, USE_TMA: tl.constexpr, KV_BLOCK: tl.constexpr, ROTATE: tl.constexpr,
-             Q_PASS: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. The program quantizes its Q tile
     (rotated first with ROTATE) and passes it through Q8, a scratch copy it writes and reads back: a loaded
-    tile feeds the Q K^T wgmmas from shared memory (see the module docstring). Q_PASS (the A/B of
-    TILEWISE_FP8_ATTN_QPASS=1): Q8 and its row scales QS come from the quantization pass instead."""
+    tile feeds the Q K^T wgmmas from shared memory (the module docstring says why, and how it timed)."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
@@ -330,14 +326,11 @@ def _fp8_fwd(Q, Q8, QS, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
     q8_ptrs = Q8 + b64 * s8qb + start64 * s8qs + h64 * s8qh + rows * s8qs + offs_d[None, :]
-    if Q_PASS:
-        qs = tl.load(QS + b64 * slb + h64 * slh + start64 + offs_m, mask=offs_m < sq, other=1.0)
-    else:
-        x = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
-                       offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-        x8, qs = _quantize_tile(x, ROT, offs_d, True, ROTATE, BLOCK_D, EMU)
-        _store_tile(q8_ptrs, x8, offs_m, sq, offs_d, HEAD_DIM)
-        tl.debug_barrier()   # every thread's share of the tile is in memory before any thread reads it back
+    x = _load_tile(Q + b64 * sqb + start64 * sqs + h64 * sqh + rows * sqs + offs_d[None, :],
+                   offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    x8, qs = _quantize_tile(x, ROT, offs_d, True, ROTATE, BLOCK_D, EMU)
+    _store_tile(q8_ptrs, x8, offs_m, sq, offs_d, HEAD_DIM)
+    tl.debug_barrier()   # every thread's share of the tile is in memory before any thread reads it back
     q8 = _load_tile(q8_ptrs, offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     qc = qs * qk_scale
     off = sk - sq
@@ -817,11 +810,7 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
     rot = rotation(head_dim, q.device) if rotate else None
     k8, _, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot)
     _, v8t, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rows=False, transposed=True)
-    q_pass = os.environ.get("TILEWISE_FP8_ATTN_QPASS", "0") == "1"   # an A/B: see _fp8_fwd
-    if q_pass:
-        q8, _, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot)
-    else:
-        q8, qs = _new(q.shape, _FP8, q.device), None   # the kernel's scratch for its quantized Q tiles
+    q8 = _new(q.shape, _FP8, q.device)   # the kernel's scratch for its quantized Q tiles
     tma = _tma(q.device, head_dim)
     rows_k = 0 if packed else seqlen_k
     scalars = (*_seq_strides(q, packed), *_seq_strides(q8, packed),
@@ -832,9 +821,9 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
 
     def args(bm, bn, use_tma, b0):
         descs = ((attn._descriptor(k8, packed, bn), _t_descriptor(v8t, packed, bn)) if use_tma else (None, None))
-        return (q, q8, qs, rot, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
+        return (q, q8, rot, k8, v8t, ks, vs, out, lse, cu, cu_t, *descs, *scalars, b0)
 
-    consts = {**_consts(q, left, right, packed), "ROTATE": rotate, "Q_PASS": q_pass}
+    consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
     attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
     return out, lse
