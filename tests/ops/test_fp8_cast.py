@@ -190,7 +190,7 @@ def test_column_sums(in_dtype, fp8_dtype, current, copies, programs, device, mon
     blocks; 2 programs: one a column block, 7 tiles each; 5: two a column block, 4 and 3 tiles. float32
     input with both copies is the split case: the sums ride on the row-major launch."""
     monkeypatch.setattr(fp8_cast_module, "_COL_SUMS_PROGRAMS", programs)
-    monkeypatch.setattr(fp8_cast_module, "_column_sums", no_second_pass)
+    monkeypatch.setattr(fp8_cast_module, "column_sums", no_second_pass)
     M, N = 200, 40
     x = spread((M, N), in_dtype, device, lo=-2, hi=2, seed=5)
     sums = torch.full((N,), float("nan"), device=device)

@@ -34,7 +34,7 @@ tile's rows (per 32-row partials), shuffles and barriers on every tile, and the 
 of copy bandwidth on the H200 against 0.81-0.84 without the sums (bench/fp8.py at e387e02); the sums then
 took a pass of their own, a second read of the tensor. With the amortized fusion the graphed dy cast runs at
 0.54, 0.68 and 0.73 of copy bandwidth at widths 768, 2048 and 14336 (bench/fp8.py at 3d60c1f), against 0.47,
-0.49 and 0.58 with the separate pass (e2de639). The 1x128 block cast keeps that pass (_column_sums).
+0.49 and 0.58 with the separate pass (e2de639). The 1x128 block cast keeps that pass (column_sums).
 Tiles come from a fixed table by pass (_TILES), not an autotuner: its timing reruns cost host time on
 every new shape and cannot run inside a CUDA graph capture. `bench/fp8.py --sweep` times the candidates
 (_CAST_CONFIGS) on the GPU. A kernel variant that does not compile on the machine at hand falls back to a
@@ -401,7 +401,7 @@ def _row_split(M, N, bm, bn) -> tuple:
     return per, cdiv(tiles, per)
 
 
-def _column_sums(x, col_sums) -> None:
+def column_sums(x, col_sums) -> None:
     """col_sums = x.sum(0) in fp32 (the block cast's): partial rows from _col_sums_kernel, summed by norm's
     second stage."""
     M, N = x.shape
@@ -422,7 +422,7 @@ def _with_col_sums(x, col_sums, key, name, launch) -> bool:
     if not _compiled(key, name, launch):
         return False
     if col_sums is not None:   # x has rows: the callers cast only non-empty tensors
-        _column_sums(x, col_sums)
+        column_sums(x, col_sums)
     return True
 
 
