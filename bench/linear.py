@@ -3,9 +3,10 @@ autocast, and the bias gradient's column sums against torch's sum.
 
 At the linear shapes of the e2e configs (rows = batch x sequence), in one process on the GPU:
 - forward+backward of x @ W^T + b under bf16 autocast, W and b fp32 leaves with their gradients set to
-  None each call (as the trainer zeroes them), do_bench median ms, for F.linear (autocast's casts, its bf16
-  weight gradient widened and copied into the weight's layout) and ops.linear (the GEMM writes dW in fp32);
-  both weight gradients against float64 first;
+  None each call (as the trainer zeroes them), for F.linear (autocast's casts, its bf16 weight gradient
+  widened and copied into the weight's layout) and ops.linear (the GEMM writes dW in fp32): do_bench median
+  ms (host included: a layer whose GEMMs take less than its Python shows the host) and the CUDA-graph replay
+  (GPU only, as the trainer's captured step runs); both weight gradients against float64 first;
 - the bias gradient alone, dy.sum(0) of bf16 dy into fp32: torch.sum against ops.fp8_cast.column_sums, in
   GB/s (bytes: dy read once) and as a fraction of the device-to-device copy bandwidth of the same run.
 
@@ -40,6 +41,12 @@ def ms(fn, grad_to_none=None):
     return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
 
+def graph_ms(fn, grad_to_none=None):
+    """The calls captured in a CUDA graph and replayed: GPU time only, without the host's launches."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=50, grad_to_none=grad_to_none, return_mode="median")
+
+
 def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
@@ -63,8 +70,9 @@ def bench_shape(config, layer, rows, k, n):
         step(fn, mode)
         errors[name] = {"dw_rel_err": rel(w.grad, dw64), "dw_dtype": str(w.grad.dtype),
                         "dw_contiguous": w.grad.is_contiguous()}
-    times = {name: ms(lambda: step(fn, mode), grad_to_none=[w, b])
-             for name, fn, mode in (("autocast_f_linear", F.linear, "reference"), ("tilewise", ops.linear, "auto"))}
+    contestants = (("autocast_f_linear", F.linear, "reference"), ("tilewise", ops.linear, "auto"))
+    times = {name: ms(lambda: step(fn, mode), grad_to_none=[w, b]) for name, fn, mode in contestants}
+    graph_times = {name: graph_ms(lambda: step(fn, mode), grad_to_none=[w, b]) for name, fn, mode in contestants}
 
     out = torch.empty(n, dtype=torch.float32, device="cuda")
     ref = dy.double().sum(0)
@@ -73,7 +81,8 @@ def bench_shape(config, layer, rows, k, n):
     sums_ms = {"torch_sum": ms(lambda: dy.sum(0, dtype=torch.float32)),
                "column_sums": ms(lambda: column_sums(dy, out))}
     return {"config": config, "layer": layer, "rows": rows, "in": k, "out": n, "fwd_bwd_ms": times,
-            "speedup": times["autocast_f_linear"] / times["tilewise"], "weight_grad": errors,
+            "speedup": times["autocast_f_linear"] / times["tilewise"], "fwd_bwd_graph_ms": graph_times,
+            "speedup_graph": graph_times["autocast_f_linear"] / graph_times["tilewise"], "weight_grad": errors,
             "bias_grad_ms": sums_ms, "bias_grad_GBps": {m: dy.numel() * 2 / t / 1e6 for m, t in sums_ms.items()},
             "bias_grad_rel_err": sums_err}
 
@@ -94,8 +103,10 @@ def main() -> int:
         r["bias_grad_frac_copy"] = {m: v / copy for m, v in r["bias_grad_GBps"].items()}
         rows.append(r)
         t, s = r["fwd_bwd_ms"], r["bias_grad_GBps"]
+        gt = r["fwd_bwd_graph_ms"]
         print(f"{r['config']:>9} {r['layer']:>4} {r['rows']}x{r['in']}->{r['out']}: fwd+bwd F.linear "
-              f"{t['autocast_f_linear']:.3f} ms, tilewise {t['tilewise']:.3f} ms ({r['speedup']:.3f}x); "
+              f"{t['autocast_f_linear']:.3f} ms, tilewise {t['tilewise']:.3f} ms ({r['speedup']:.3f}x); graphs "
+              f"{gt['autocast_f_linear']:.3f} / {gt['tilewise']:.3f} ms ({r['speedup_graph']:.3f}x); "
               f"dW rel err {r['weight_grad']['autocast_f_linear']['dw_rel_err']:.2e} / "
               f"{r['weight_grad']['tilewise']['dw_rel_err']:.2e}; bias grad torch.sum {s['torch_sum']:.0f}, "
               f"column_sums {s['column_sums']:.0f} GB/s")

@@ -41,8 +41,7 @@ class MasterWeightLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
         x_low, w_low = x.to(dtype), weight.to(dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x_low, w_low, None if bias is None else bias.to(dtype))
+        y = F.linear(x_low, w_low, None if bias is None else bias.to(dtype))   # autocast leaves `dtype` alone
         ctx.save_for_backward(x_low, w_low)
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y
