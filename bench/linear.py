@@ -51,12 +51,15 @@ def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def bench_shape(config, layer, rows, k, n):
+def bench_shape(config, layer, rows, k, n, copy):
+    """Two table rows: forward+backward ms (do_bench and graph replay) and the bias gradient's GB/s."""
     g = torch.Generator(device="cuda").manual_seed(rows + k + n)
     x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).requires_grad_()
     b = torch.randn(n, device="cuda", generator=g).requires_grad_()
     dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    shape = {"config": config, "layer": layer, "rows": rows, "in": k, "out": n}
+    contestants = (("autocast_f_linear", F.linear, "reference"), ("tilewise", ops.linear, "auto"))
 
     def step(fn, mode):
         with ops.use(mode), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -65,26 +68,29 @@ def bench_shape(config, layer, rows, k, n):
 
     dw64 = dy.double().t() @ x.double()
     errors = {}
-    for name, fn, mode in (("autocast_f_linear", F.linear, "reference"), ("tilewise", ops.linear, "auto")):
+    for name, fn, mode in contestants:
         w.grad = b.grad = None
         step(fn, mode)
-        errors[name] = {"dw_rel_err": rel(w.grad, dw64), "dw_dtype": str(w.grad.dtype),
-                        "dw_contiguous": w.grad.is_contiguous()}
-    contestants = (("autocast_f_linear", F.linear, "reference"), ("tilewise", ops.linear, "auto"))
-    times = {name: ms(lambda: step(fn, mode), grad_to_none=[w, b]) for name, fn, mode in contestants}
-    graph_times = {name: graph_ms(lambda: step(fn, mode), grad_to_none=[w, b]) for name, fn, mode in contestants}
+        errors[name] = rel(w.grad, dw64)
+    both = {"shape": {**shape, "pass": "fwd+bwd"}, "unit": "ms"}
+    for name, fn, mode in contestants:
+        both[name] = ms(lambda: step(fn, mode), grad_to_none=[w, b])
+    for name, fn, mode in contestants:
+        both[name + "_graph"] = graph_ms(lambda: step(fn, mode), grad_to_none=[w, b])
+    both["ratio"] = both["autocast_f_linear"] / both["tilewise"]
+    both["ratio_graph"] = both["autocast_f_linear_graph"] / both["tilewise_graph"]
+    both["dw_rel_err"] = errors
 
     out = torch.empty(n, dtype=torch.float32, device="cuda")
     ref = dy.double().sum(0)
     column_sums(dy, out)
-    sums_err = {"torch_sum": rel(dy.sum(0, dtype=torch.float32), ref), "column_sums": rel(out, ref)}
-    sums_ms = {"torch_sum": ms(lambda: dy.sum(0, dtype=torch.float32)),
-               "column_sums": ms(lambda: column_sums(dy, out))}
-    return {"config": config, "layer": layer, "rows": rows, "in": k, "out": n, "fwd_bwd_ms": times,
-            "speedup": times["autocast_f_linear"] / times["tilewise"], "fwd_bwd_graph_ms": graph_times,
-            "speedup_graph": graph_times["autocast_f_linear"] / graph_times["tilewise"], "weight_grad": errors,
-            "bias_grad_ms": sums_ms, "bias_grad_GBps": {m: dy.numel() * 2 / t / 1e6 for m, t in sums_ms.items()},
-            "bias_grad_rel_err": sums_err}
+    sums = {"shape": {**shape, "pass": "bias_grad"}, "unit": "GB/s"}
+    for name, fn in (("torch_sum", lambda: dy.sum(0, dtype=torch.float32)),
+                     ("column_sums", lambda: column_sums(dy, out))):
+        sums[name] = dy.numel() * dy.element_size() / ms(fn) / 1e6
+    sums["column_sums_frac_copy"] = sums["column_sums"] / copy
+    sums["rel_err"] = {"torch_sum": rel(dy.sum(0, dtype=torch.float32), ref), "column_sums": rel(out, ref)}
+    return both, sums
 
 
 def main() -> int:
@@ -99,17 +105,14 @@ def main() -> int:
     print(f"device-to-device copy: {copy:.0f} GB/s")
     rows = []
     for shape in SHAPES[:2] if args.quick else SHAPES:
-        r = bench_shape(*shape)
-        r["bias_grad_frac_copy"] = {m: v / copy for m, v in r["bias_grad_GBps"].items()}
-        rows.append(r)
-        t, s = r["fwd_bwd_ms"], r["bias_grad_GBps"]
-        gt = r["fwd_bwd_graph_ms"]
-        print(f"{r['config']:>9} {r['layer']:>4} {r['rows']}x{r['in']}->{r['out']}: fwd+bwd F.linear "
-              f"{t['autocast_f_linear']:.3f} ms, tilewise {t['tilewise']:.3f} ms ({r['speedup']:.3f}x); graphs "
-              f"{gt['autocast_f_linear']:.3f} / {gt['tilewise']:.3f} ms ({r['speedup_graph']:.3f}x); "
-              f"dW rel err {r['weight_grad']['autocast_f_linear']['dw_rel_err']:.2e} / "
-              f"{r['weight_grad']['tilewise']['dw_rel_err']:.2e}; bias grad torch.sum {s['torch_sum']:.0f}, "
-              f"column_sums {s['column_sums']:.0f} GB/s")
+        both, sums = bench_shape(*shape, copy)
+        rows += [both, sums]
+        print(f"{shape[0]:>9} {shape[1]:>4} {shape[2]}x{shape[3]}->{shape[4]}: fwd+bwd F.linear "
+              f"{both['autocast_f_linear']:.3f} ms, tilewise {both['tilewise']:.3f} ms ({both['ratio']:.3f}x); "
+              f"graphs {both['autocast_f_linear_graph']:.3f} / {both['tilewise_graph']:.3f} ms "
+              f"({both['ratio_graph']:.3f}x); dW rel err {both['dw_rel_err']['autocast_f_linear']:.2e} / "
+              f"{both['dw_rel_err']['tilewise']:.2e}; bias grad torch.sum {sums['torch_sum']:.0f}, "
+              f"column_sums {sums['column_sums']:.0f} GB/s")
     result = {"area": "linear", **environment(), "copy_GBps": copy,
               "command": "TILEWISE_COMMIT=<sha> bash bench/h200.sh linear", "rows": rows}
     write_result(result, "linear.json", [RESULTS, args.out])
