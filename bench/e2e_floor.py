@@ -11,6 +11,8 @@ script asks what each kind could take at best and whether the issue's targets fi
   the embeddings in fp32) over the device-to-device copy bandwidth. autocast's weight casts (fp32 weights
   to bf16 in the forward, bf16 weight gradients back to fp32) are listed beside it: a design that keeps
   bf16 weight copies and lets the GEMMs write fp32 gradients avoids them, so the floor leaves them out.
+  tilewise's linears (ops.linear, since deec05a) have the GEMMs write the fp32 gradients; the forward's
+  casts remain (forward_weight_casts_ms).
 - optimizer: AdamW reads the parameter, its gradient and both moments and writes three of them (28 bytes a
   parameter), after a gradient-norm read for clipping (4 bytes), at the copy bandwidth.
 - idle: 0.
@@ -111,6 +113,7 @@ def floor_row(config: str, rows: dict, copy_gbps: float) -> dict:
         # fp32 -> bf16 in the forward (6 bytes a weight, the head's too); bf16 gradients back to fp32 (6 more;
         # the fused cross-entropy writes the head's gradient in fp32 itself)
         "autocast_weight_casts_ms": round(to_ms(12 * p["linear_weights"] + 6 * p["head"]), 2),
+        "forward_weight_casts_ms": round(to_ms(6 * p["linear_weights"] + 6 * p["head"]), 2),
         "params": p["total"],
     }
 
