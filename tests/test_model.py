@@ -161,6 +161,23 @@ def test_fp8_attention_option_trains_close_to_flash(attention):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fp8.parameters())
 
 
+def test_sdpa_attention_option_matches_flash():
+    """model.attention='sdpa' (torch's SDPA, the e2e yardstick) computes the same model: the loss and the
+    gradients of the flash model from the same weights, within fp32 rounding."""
+    cfg = ModelConfig(vocab_size=96, seq_len=24, n_layer=2, n_head=4, n_kv_head=2, d_model=64)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    sdpa = GPT(ModelConfig(**{**cfg.__dict__, "attention": "sdpa"}))
+    sdpa.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 96, (3, 24))
+    base, loss = ref(idx, idx), sdpa(idx, idx)
+    assert abs(loss.item() - base.item()) < 1e-5 * base.item()
+    base.backward()
+    loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), sdpa.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
 def test_fp8_rotate_needs_a_power_of_two_head_dim():
     with pytest.raises(ValueError, match="fp8_rotate.*power of two >= 32; it is 40"):
         ModelConfig(n_head=4, d_model=160, attention="fp8_rotate").validate()

@@ -36,6 +36,7 @@ class ModelConfig:
     mlp: str = "gelu"                # gelu | swiglu
     pos: str = "learned"             # learned | rope
     attention: str = "flash"         # flash (bf16) | fp8 | fp8_rotate (ops.fp8_flash_attention; experimental)
+                                     # | sdpa (torch's scaled_dot_product_attention: cuDNN on an H200; a yardstick)
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     bias: bool = True
@@ -61,7 +62,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         choices = {"norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
-                   "attention": ("flash", "fp8", "fp8_rotate")}
+                   "attention": ("flash", "fp8", "fp8_rotate", "sdpa")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; expected one of {allowed}")

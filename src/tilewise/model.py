@@ -78,6 +78,8 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if self.kind == "flash":
             out = ops.flash_attention(q, k, v, causal=True)
+        elif self.kind == "sdpa":
+            out = ops.sdpa_attention(q, k, v, causal=True)
         else:
             out = ops.fp8_flash_attention(q, k, v, causal=True, rotate=self.kind == "fp8_rotate")
         return self.proj(out.reshape(B, T, self.n_head * self.head_dim))

@@ -321,6 +321,19 @@ def test_cpu_dispatch_runs_the_reference():
     assert out.dtype == torch.float64 and torch.allclose(out, ref.double(), atol=1e-6)
 
 
+@pytest.mark.parametrize("q_len,k_len,heads_kv", [(17, 17, 4), (17, 17, 1), (5, 21, 2)])
+def test_sdpa_attention_matches_float64(q_len, k_len, heads_kv):
+    """ops.sdpa_attention (model.attention='sdpa'): torch's SDPA in the (B, S, H, D) layout, GQA without
+    repeated K/V, a causal block of the last queries (decoding) aligned to the last key, against float64."""
+    from tilewise.ops import sdpa_attention
+    q, k, v = qkv(2, q_len, k_len, 4, heads_kv, 16, dtype=torch.float32)
+    out = sdpa_attention(q, k, v, causal=True)
+    ref, _ = _dense_attention(q.double(), k.double(), v.double(), True, 16 ** -0.5, None)
+    assert out.shape == q.shape and (out.double() - ref).norm() / ref.norm() < 1e-5
+    with pytest.raises(ValueError, match="sdpa_attention: q has shape"):
+        sdpa_attention(q[0], k, v)
+
+
 def test_torch_compile_fullgraph(device, tma):
     """The custom op traces without a graph break (fullgraph=True); aot_eager keeps CPU free of codegen."""
     tma("ptr")

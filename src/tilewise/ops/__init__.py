@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .dispatch import MODES, mode, use, use_triton
 from .activation import bias_gelu, swiglu
-from .attention import flash_attention, flash_attention_qkv
+from .attention import flash_attention, flash_attention_qkv, sdpa_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .fp8_attention import fp8_flash_attention
 from .linear import linear
@@ -22,6 +22,7 @@ from .rope import apply_rope, rope_cache
 
 __all__ = [
     "MODES", "mode", "use", "use_triton",
-    "flash_attention", "flash_attention_qkv", "fp8_flash_attention", "add_dropout_norm", "bias_gelu", "swiglu",
+    "flash_attention", "flash_attention_qkv", "fp8_flash_attention", "sdpa_attention", "add_dropout_norm",
+    "bias_gelu", "swiglu",
     "cross_entropy", "linear_cross_entropy", "linear", "apply_rope", "rope_cache",
 ]

@@ -1371,6 +1371,19 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
 # Reference
 # ----------------------------------------------------------------------------------------------
 
+def sdpa_attention(q, k, v, *, causal=False):
+    """torch's F.scaled_dot_product_attention in flash_attention's (batch, seqlen, heads, head_dim) layout,
+    its backend picked by torch (cuDNN for these shapes on an H200): model.attention='sdpa', the yardstick
+    that bench/e2e.py times beside the Triton kernel. GQA without repeating K and V; a causal query block
+    shorter than its keys (decoding from a cache) ends at the last key, as in flash_attention."""
+    check_attention_args(q, k, v, causal, None, None, None, fn="sdpa_attention")
+    if causal and q.shape[1] != k.shape[1]:
+        return attention_reference(q, k, v, causal=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def attention_mask(seqlen_q, seqlen_k, causal, window, device):
     """Boolean (seqlen_q, seqlen_k) mask, True where query i may attend to key j."""
     i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
