@@ -1,14 +1,13 @@
 """Dense linear layers: cuBLAS in bf16/fp16 under autocast, with the weight gradient written in fp32.
 
 Under autocast, F.linear with an fp32 (master) weight casts the weight to bf16, and its backward makes the
-weight's gradient in bf16 as the transpose of x^T @ dy; autograd then widens it to fp32 and copies it into
-the weight's layout, a transposing copy of 6 bytes a parameter at a fraction of the copy bandwidth (the 1.3B
-step on the H200: 172 such copies, 4.9 ms). MasterWeightLinear casts the same way but has the GEMM write
-dW = dy^T @ x itself, in fp32 (cuBLAS accumulates in fp32 anyway) and in the weight's own layout, so
-autograd takes it as the gradient with no copy. dW is also no longer rounded to bf16 on the way. The bias
-gradient, the column sums of dy, comes from the FP8 cast's column-sum kernel (fp32 partial rows, then one
-small reduction), which torch's bf16 sum over rows ran at about half the copy bandwidth (the same step: 72
-sums, 3.4 ms).
+weight's gradient in bf16 as the transpose of x^T @ dy; autograd then widens it to fp32 into the weight's
+layout (the 1.3B step on the H200 at 194bc8f: 172 copy kernels, 4.9 ms; 4 remained at deec05a).
+MasterWeightLinear casts the same way but has the GEMM write dW = dy^T @ x itself, in fp32 (cuBLAS
+accumulates in fp32 anyway) and in the weight's own layout, so autograd takes it as the gradient with no
+copy; dW is also no longer rounded to bf16 on the way. The bias gradient, the column sums of dy, comes from
+the FP8 cast's column-sum kernel (fp32 partial rows, then one small reduction): 1781-3036 GB/s against
+torch.sum's 1069-2903 at the e2e shapes (bench/linear.py, 9bb389e).
 
 It runs where the Triton ops run (tilewise.ops' dispatch rule: CUDA tensors, or TILEWISE_OPS=triton);
 the reference is F.linear under autocast. The fp32-output GEMM is torch.mm(a, b, out_dtype) on CUDA; on
