@@ -262,6 +262,40 @@ def test_linear_cross_entropy_matches_float64(dtype, reduction, vocab, bias, z_l
             check_close(got.grad, r.grad, s.grad, f"grad {name}", dtype)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_cross_entropy_fp32_master_weight_under_autocast(reduction, bias, device):
+    """Under bf16 autocast an fp32 weight (the model's tied embedding) is cast inside the fused op, whose
+    weight and bias gradients come out in fp32 from its fp32 accumulators, no further from the float64
+    reference of the same bf16 operands than autocast's cast (bf16-rounded, then widened) gets."""
+    gen = torch.Generator().manual_seed(11 + bias)
+    hidden, weight, b, target = _linear_case(23, 32, 300, torch.float32, device, gen, bias)
+    hidden = hidden.bfloat16()
+
+    def run(fn):
+        h, w, bb = _leaves(hidden, weight, b)
+        with ops.use("triton"), torch.autocast(device if device == "cuda" else "cpu", dtype=torch.bfloat16):
+            loss = fn(h, w, target, bias=bb, reduction=reduction)
+        (loss.sum() if reduction == "none" else loss).backward()
+        return loss, h, w, bb
+
+    loss, h, w, bb = run(ops.linear_cross_entropy)
+    ref_loss, hs, ws, bs = run(lambda h_, w_, t_, bias, reduction: cross_entropy_reference(
+        F.linear(h_, w_, bias), t_, reduction=reduction))          # autocast's F.linear: casts outside
+    h64, w64, b64 = _leaves(hidden, weight.bfloat16(), None if b is None else b.bfloat16(), dtype=torch.float64)
+    ref = cross_entropy_reference(F.linear(h64, w64, b64), target, reduction=reduction)
+    (ref.sum() if reduction == "none" else ref).backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    check_close(loss, ref, ref_loss, "loss", torch.bfloat16)
+    check_close(h.grad, h64.grad, hs.grad, "grad hidden", torch.bfloat16)
+    # the logits' gradient is bf16 (the chunk buffer) in both; on CUDA only autocast's path also rounds dW
+    # to bf16 (the CPU has no fp32-output bf16 GEMM: both round it there)
+    err, autocast_err = rel_err(w.grad, w64.grad), rel_err(ws.grad, w64.grad)
+    assert err < autocast_err if device == "cuda" else err <= autocast_err * (1 + 1e-9)
+    if bias:   # summed in fp32 from the bf16 logit gradients; autocast sums and rounds in bf16
+        assert bb.grad.dtype == torch.float32 and rel_err(bb.grad, b64.grad) < rel_err(bs.grad, b64.grad)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_linear_cross_entropy_all_ignored(reduction, device):
     gen = torch.Generator().manual_seed(5)

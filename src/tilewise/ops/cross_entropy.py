@@ -17,7 +17,9 @@ then grad_hidden[chunk] = dlogits @ W goes straight into its slice and grad_W +=
 is one GEMM with beta=1 into a float32 accumulator. All of it runs in the forward, stream-ordered, without
 a host sync; the backward multiplies by the upstream scalar, rounding grad_W to the weight's dtype in the
 same op (once, as the unfused path does, however many chunks). reduction="none" has a gradient per row,
-unknown in the forward, so its backward recomputes the chunk logits instead.
+unknown in the forward, so its backward recomputes the chunk logits instead. Under autocast an fp32 weight
+(the model's tied embedding) is cast inside the op, so its gradient leaves the fp32 accumulator in fp32:
+autocast's own cast would round it to bf16 and its backward widen it back, one more pass over vocab x width.
 
 ignore_index targets count neither in the loss nor in the mean and get zero gradient. z_loss adds
 z_loss * lse^2 per token (PaLM's auxiliary loss that keeps the softmax normalizer near 1). A target outside
@@ -406,11 +408,15 @@ class CrossEntropyFunction(torch.autograd.Function):
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, z_loss, reduction, chunk_rows, config):
+        """weight and bias may be fp32 masters of a bf16/fp16 hidden: cast here, their gradients in fp32."""
         n = hidden.shape[0]
         hidden = hidden.contiguous()
         target = target.contiguous()
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.args = (ignore_index, z_loss, reduction, chunk_rows, config, want, weight.dtype)
+        ctx.args = (ignore_index, z_loss, reduction, chunk_rows, config, want,
+                    (hidden.dtype, weight.dtype, None if bias is None else bias.dtype))
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
         # The kernel writes every row of loss and lse, so they start empty.
         loss = torch.empty((n,), device=hidden.device, dtype=torch.float32)
         lse = torch.empty((n,), device=hidden.device, dtype=torch.float32)
@@ -426,17 +432,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        ignore_index, z_loss, reduction, chunk_rows, config, want, dtype = ctx.args
+        ignore_index, z_loss, reduction, chunk_rows, config, want, dtypes = ctx.args
         if reduction == "none":
             hidden, weight, bias, target, lse = ctx.saved_tensors
             scale = grad_out.reshape(-1).to(torch.float32).contiguous()
             gh, gw, gb = _fused_chunks(hidden, weight, bias, target, lse, ignore_index=ignore_index,
                                        z_loss=z_loss, chunk_rows=chunk_rows, scale=scale, want=want,
                                        config=config)
-            gw, gb = (None if t is None else t.to(dtype) for t in (gw, gb))
+            gw, gb = (None if t is None else t.to(d) for t, d in zip((gw, gb), dtypes[1:]))
         else:
             g = grad_out.to(torch.float32)
-            gh, gw, gb = (_times(t, g, dtype) for t in ctx.saved_tensors)
+            gh, gw, gb = (_times(t, g, d) for t, d in zip(ctx.saved_tensors, dtypes))
         return gh, gw, gb, None, None, None, None, None, None
 
 
@@ -490,13 +496,20 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits on the fused path.
 
     hidden (..., width), weight (vocab, width), bias (vocab,) or None, target (...), all in one dtype;
-    under autocast they are cast to the autocast dtype first, as F.linear would be.
+    under autocast they are cast to the autocast dtype first, as F.linear would be, except that an fp32
+    weight (and bias) is cast inside the fused op, which returns its gradient in fp32 straight from the
+    fp32 accumulator (autocast's cast would round it to bf16 and widen it back: one more pass over the
+    vocab x width gradient, and bf16 rounding).
     """
     device_type = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+        hidden = hidden.to(dtype)
+        master = (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and dtype != torch.float32
+                  and (bias is None or getattr(bias, "dtype", None) == torch.float32))
+        if not master:
+            weight = weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
     return linear_cross_entropy_fused(hidden, weight, target, bias=bias, ignore_index=ignore_index,
                                       z_loss=z_loss, reduction=reduction)
 
@@ -517,9 +530,10 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
         raise ValueError(f"{name}: hidden width {hidden.shape[-1]} != weight in-features {weight.shape[-1]}")
     if hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: hidden dtype {hidden.dtype}; expected one of bf16, fp16, fp32, fp64")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+    master = weight.dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
+    if (weight.dtype != hidden.dtype and not master) or weight.device != hidden.device:
         raise ValueError(f"{name}: weight is {weight.dtype} on {weight.device}, hidden {hidden.dtype} on "
-                         f"{hidden.device}; expected the same dtype and device")
+                         f"{hidden.device}; expected the same device and dtype (or an fp32 weight)")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{name}: bias is a {type(bias).__name__}; expected a torch.Tensor or None")
@@ -535,7 +549,8 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
     _check(tuple(hidden.shape[:-1]) + (weight.shape[0],), target, reduction, name, device=hidden.device,
            ignore_index=ignore_index, z_loss=z_loss)
     if not (use_triton(hidden) and hidden.dtype in KERNEL_DTYPES):
-        return cross_entropy_reference(F.linear(hidden, weight, bias), target, ignore_index=ignore_index,
+        w, b = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+        return cross_entropy_reference(F.linear(hidden, w, b), target, ignore_index=ignore_index,
                                        z_loss=z_loss, reduction=reduction)
     width = hidden.shape[-1]
     hidden2d, target1d = hidden.reshape(-1, width), target.reshape(-1)
