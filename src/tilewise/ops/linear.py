@@ -31,7 +31,8 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b of bf16/fp16 operands, accumulated and written in fp32."""
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+    with torch.autocast(a.device.type, enabled=False):   # a backward traced under autocast (torch.compile)
+        return torch.mm(a.float(), b.float())
 
 
 class MasterWeightLinear(torch.autograd.Function):
@@ -55,8 +56,11 @@ class MasterWeightLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _mm_fp32(dy2.t(), x_low.reshape(-1, x_low.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device)
-            column_sums(dy2.contiguous(), db)
+            if torch.compiler.is_compiling():     # torch.compile traces torch's sum (a launcher it cannot)
+                db = dy2.sum(0, dtype=torch.float32)
+            else:
+                db = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device)
+                column_sums(dy2.contiguous(), db)
         return dx, dw, db, None
 
 
