@@ -269,11 +269,13 @@ def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=N
         num_warps=config.num_warps)
 
 
-_FP32_OUT_MM_OK = {}  # (device, dtype) -> whether addmm(..., torch.float32) accumulates correctly there
+_FP32_OUT_MM_OK = {}  # (device, dtype) -> whether mm/addmm(..., torch.float32) accumulate correctly there
 
 
 def _fp32_out_mm_ok(device, dtype):
-    """addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8); checked once per device."""
+    """mm and addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8), checked once per
+    device with the calls _mm_accumulate makes: mm into a NaN-filled accumulator (overwritten), then addmm
+    adding into it in place."""
     key = (str(device), dtype)
     if key not in _FP32_OUT_MM_OK:
         ok = False
@@ -282,8 +284,8 @@ def _fp32_out_mm_ok(device, dtype):
                 a = torch.randn(64, 48, device=device, dtype=dtype).t()
                 b = torch.randn(64, 40, device=device, dtype=dtype)
                 acc = torch.full((48, 40), float("nan"), device=device)
-                torch.addmm(acc, a, b, torch.float32, beta=0, out=acc)
-                torch.addmm(acc, a, b, torch.float32, beta=1, out=acc)
+                torch.mm(a, b, torch.float32, out=acc)
+                torch.addmm(acc, a, b, torch.float32, out=acc)
                 ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
             except (RuntimeError, TypeError):
                 ok = False
@@ -292,12 +294,15 @@ def _fp32_out_mm_ok(device, dtype):
 
 
 def _mm_accumulate(acc, a, b, first):
-    """acc (float32) = a @ b when first, else acc += a @ b; a and b in the input dtype."""
-    beta = 0 if first else 1
+    """acc (float32) = a @ b when first, else acc += a @ b; a and b in the input dtype. Without an fp32-output
+    GEMM (the CPU) a product in the input dtype is copied or added: right, but more bytes a chunk."""
     if a.dtype == acc.dtype:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
+        torch.addmm(acc, a, b, beta=0 if first else 1, out=acc)
     elif _fp32_out_mm_ok(acc.device, a.dtype):
-        torch.addmm(acc, a, b, torch.float32, beta=beta, out=acc)
+        if first:
+            torch.mm(a, b, torch.float32, out=acc)
+        else:
+            torch.addmm(acc, a, b, torch.float32, out=acc)
     elif first:
         acc.copy_(a @ b)
     else:
