@@ -77,6 +77,16 @@ def test_only_fp32_weights_under_autocast_take_the_function():
         assert "MasterWeightLinear" not in type(ops.linear(x, w_leaf, b).grad_fn).__name__
 
 
+@pytest.mark.parametrize("shape_x", [(0, 16), (16,), (2, 0, 16)], ids=["no rows", "1-D", "empty batch"])
+def test_empty_and_1d_inputs(shape_x):
+    """F.linear's shapes: no rows (gradients of zeros), a 1-D input."""
+    x, w, b, dy = make(shape_x, 8)
+    y, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+    y_ref, (dx_ref, dw_ref, db_ref) = run(F.linear, x, w, b, dy, mode="reference")
+    assert y.shape == y_ref.shape and dx.shape == x.shape and dw.dtype == db.dtype == torch.float32
+    assert torch.allclose(dw, dw_ref, atol=1e-2) and torch.allclose(db, db_ref.float(), atol=1e-2)
+
+
 def test_frozen_weight_and_input_without_grad():
     """needs_input_grad: a frozen weight gets no gradient, an input that needs none gets none."""
     x, w, b, dy = make((4, 9, 32), 24)

@@ -56,8 +56,8 @@ class MasterWeightLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _mm_fp32(dy2.t(), x_low.reshape(-1, x_low.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            if torch.compiler.is_compiling():     # torch.compile traces torch's sum (a launcher it cannot)
-                db = dy2.sum(0, dtype=torch.float32)
+            if torch.compiler.is_compiling() or dy2.shape[0] == 0:   # torch.compile traces torch's sum, not a
+                db = dy2.sum(0, dtype=torch.float32)                   # launcher; column_sums needs rows
             else:
                 db = torch.empty(dy2.shape[1], dtype=torch.float32, device=dy2.device)
                 column_sums(dy2.contiguous(), db)
