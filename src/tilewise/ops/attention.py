@@ -1373,9 +1373,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
 
 def sdpa_attention(q, k, v, *, causal=False):
     """torch's F.scaled_dot_product_attention in flash_attention's (batch, seqlen, heads, head_dim) layout,
-    its backend picked by torch (cuDNN for these shapes on an H200): model.attention='sdpa', the yardstick
-    that bench/e2e.py times beside the Triton kernel. GQA without repeating K and V; a causal query block
-    shorter than its keys (decoding from a cache) ends at the last key, as in flash_attention."""
+    its backend picked by torch (cuDNN in the e2e baseline's profile on the H200): model.attention='sdpa',
+    the yardstick that bench/e2e.py times beside the Triton kernel. GQA without repeating K and V; a causal
+    query block shorter than its keys (decoding from a cache) ends at the last key, as in flash_attention."""
     check_attention_args(q, k, v, causal, None, None, None, fn="sdpa_attention")
     if causal and q.shape[1] != k.shape[1]:
         return attention_reference(q, k, v, causal=True)
