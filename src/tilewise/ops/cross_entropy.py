@@ -497,6 +497,12 @@ def cross_entropy(logits, target, *, ignore_index=-100, z_loss=0.0, reduction="m
     return cross_entropy_reference(logits, target, ignore_index=ignore_index, z_loss=z_loss, reduction=reduction)
 
 
+def _fp32_master(weight, hidden_dtype) -> bool:
+    """An fp32 weight of a bf16/fp16 hidden (autocast's master weight): the fused op casts it itself and
+    returns its gradient in fp32."""
+    return weight.dtype == torch.float32 and hidden_dtype in (torch.bfloat16, torch.float16)
+
+
 def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100, z_loss=0.0, reduction="mean"):
     """cross_entropy(hidden @ weight.T + bias, target) without materializing the logits on the fused path.
 
@@ -510,9 +516,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden = hidden.to(dtype)
-        master = (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and dtype != torch.float32
-                  and (bias is None or getattr(bias, "dtype", None) == torch.float32))
-        if not master:
+        if not (isinstance(weight, torch.Tensor) and _fp32_master(weight, hidden.dtype)
+                and (bias is None or getattr(bias, "dtype", None) == torch.float32)):
             weight = weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
     return linear_cross_entropy_fused(hidden, weight, target, bias=bias, ignore_index=ignore_index,
@@ -535,8 +540,7 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
         raise ValueError(f"{name}: hidden width {hidden.shape[-1]} != weight in-features {weight.shape[-1]}")
     if hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: hidden dtype {hidden.dtype}; expected one of bf16, fp16, fp32, fp64")
-    master = weight.dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16)
-    if (weight.dtype != hidden.dtype and not master) or weight.device != hidden.device:
+    if (weight.dtype != hidden.dtype and not _fp32_master(weight, hidden.dtype)) or weight.device != hidden.device:
         raise ValueError(f"{name}: weight is {weight.dtype} on {weight.device}, hidden {hidden.dtype} on "
                          f"{hidden.device}; expected the same device and dtype (or an fp32 weight)")
     if bias is not None:
