@@ -88,7 +88,8 @@ def report(name: str, cfg, causal: bool, d: int = 128) -> dict:
     fn, extra, descs = variants(d)[name]
     bm, bn = cfg[:2]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HAS_LEFT=False, HAS_RIGHT=causal, VARLEN=False, USE_TMA=True,
-                  KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, BLOCK_M=bm, BLOCK_N=bn, **extra)
+                  KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, ONE_LOOP=f8.attn._ONE_LOOP, BLOCK_M=bm,
+                  BLOCK_N=bn, **extra)
     sass = compile_sass(fn, descs(bm, bn), {k: v for k, v in consts.items() if k in fn.arg_names}, cfg)
     loop = inner_loop(sass)
     ops = [t.split()[0].split(".")[0] for t in loop]
