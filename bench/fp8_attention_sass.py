@@ -4,7 +4,8 @@ what their SASS says: register spills, E4M3 wgmma count, and the instruction mix
 The inner loop's instruction count is what a change to the kernels' arithmetic moves, though on the H200
 that arithmetic is not what bounds them (bench/fp8_attention_ablate.py: without exp2 and the E4M3 cast the
 forward is 11% faster); timing them needs the GPU (bench/attention.py --fp8-only). The "inner loop"
-is the first backward branch whose body holds a wgmma: the interior (unmasked) key or query blocks.
+is the first backward branch whose body holds a wgmma: the backward's interior (unmasked) query or key
+blocks, and the forward's one loop over all its key blocks, the boundary blocks' mask branch included.
 
     python bench/fp8_attention_sass.py                     # each kernel's default config, causal, head_dim 128
     python bench/fp8_attention_sass.py --config fp8_dkdv=64,64,4,2 --both-masks --json
@@ -88,8 +89,7 @@ def report(name: str, cfg, causal: bool, d: int = 128) -> dict:
     fn, extra, descs = variants(d)[name]
     bm, bn = cfg[:2]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HAS_LEFT=False, HAS_RIGHT=causal, VARLEN=False, USE_TMA=True,
-                  KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, ONE_LOOP=f8.attn._ONE_LOOP, BLOCK_M=bm,
-                  BLOCK_N=bn, **extra)
+                  KV_BLOCK=f8.KV_BLOCK, EMU=False, EMU_BF16=False, BLOCK_M=bm, BLOCK_N=bn, **extra)
     sass = compile_sass(fn, descs(bm, bn), {k: v for k, v in consts.items() if k in fn.arg_names}, cfg)
     loop = inner_loop(sass)
     ops = [t.split()[0].split(".")[0] for t in loop]

@@ -580,6 +580,16 @@ def test_fp32_accumulating_matmul_is_available():
 
 
 @pytest.mark.gpu
+def test_fp32_accumulating_matmul_check_ignores_autocast(monkeypatch):
+    """The check runs where the model first calls the head, under autocast: it must still find the fp32
+    GEMM (its fp32 reference once ran in bf16 there, and the head's gradient took the fallback)."""
+    from tilewise.ops import cross_entropy as ce
+    monkeypatch.setattr(ce, "_FP32_OUT_MM_OK", {})
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert ce._fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_linear_cross_entropy_makes_no_host_sync():
     """Forward and backward are stream-ordered: under the sync debug mode "error" a host sync would raise.
     (The first call checks once per device that addmm accumulates into float32; that one syncs.)"""

@@ -5,7 +5,9 @@ Flash attention: the N x N scores never reach HBM.
   keeps a running row max m, row sum l and an fp32 accumulator (online softmax in base 2: log2(e) is folded
   into the scale; the row max is taken on the raw scores, so each score costs one FMA and one exp2). Key
   blocks come in three phases: the interior, where no mask applies and none is computed, and the boundary
-  blocks (causal diagonal, window edges, the ragged end of the keys), where it is. Blocks the mask removes
+  blocks (causal diagonal, window edges, the ragged end of the keys), where it is. With descriptor loads the
+  forward runs all three in one loop, masking by a branch, so its pipeline fills once (3-5% at d128 on the
+  H200); the backward kernels keep a loop per phase, which measured faster there. Blocks the mask removes
   entirely are never visited. Writes O and the natural-log LSE.
 - Launch order: the query blocks of one head are neighbours in the grid, so the programs running at once
   share a few heads' K/V in L2 (a batch * head-major order streamed every head's K/V from HBM for each
@@ -227,8 +229,12 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col,
                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """Online softmax over key blocks [lo, hi). m_i is in the scaled base-2 domain; the row maximum is taken
     on the raw scores and scaled once per row, so each score costs one FMA and one exp2. MASKED: 0 no
-    block is masked, 1 every block is, 2 (descriptor loads, SIGN > 0) the blocks outside [mask_lo,
-    mask_hi) are: one loop, one pipeline, for the interior and the boundary blocks (_ONE_LOOP)."""
+    block is masked, 1 every block is, 2 (descriptor loads, SIGN > 0) the blocks outside [mask_lo, mask_hi)
+    are, by a branch: the interior and boundary blocks in one loop, so the software pipeline fills and
+    drains once, not once per phase. H200 at 5f25a2c, tuner's kernel times at d128, one loop against a
+    loop per phase: N2048 causal 0.319 / 0.329 ms, N4096 causal 0.585 / 0.618, non-causal 1.064 / 1.113
+    (d64 causal 0.704 / 0.697). The backward kernels keep a loop per phase: merged, dK/dV at d64 causal ran
+    16% slower (the boundary's masked loads of lse2 and delta, in every block)."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     v_offs = offs_n[:, None] * svs + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -288,7 +294,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, left, right, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SIGN: tl.constexpr,
-              DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr,
+              DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
     in L2; within a head the latest (most causal work) go first."""
@@ -318,7 +324,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_row = b * rows_k + start
     kv_col = hk * HEAD_DIM
-    if ONE_LOOP and USE_TMA and SIGN > 0:
+    if USE_TMA and SIGN > 0:   # interior and boundary blocks in one loop (the _fwd_blocks docstring says why)
         acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
                                     qpos, offs_n, offs_d, lo, hi, inner_lo, inner_hi, sk, left, right, qk_scale,
                                     2, HAS_LEFT, HAS_RIGHT, SIGN, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
@@ -379,21 +385,20 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse2_ptr, delta_ptr,
-               start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale, mask_lo, mask_hi,
+               start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """One query block's share of dK, dV, in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
-    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q. MASKED as in _fwd_blocks, over query blocks
-    (2: descriptor loads, the blocks outside [mask_lo, mask_hi) masked)."""
+    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q."""
     rows = start_m + offs_m
     if USE_TMA:
         q = desc_q.load([q_row + start_m, q_col])
         do = desc_do.load([q_row + start_m, q_col])
     else:
-        q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-        do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-    if MASKED > 0:
+        q = _load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do = _load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED:
         lse2 = tl.load(lse2_ptr + rows, mask=rows < seqlen_q, other=float("inf"))
         delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
     else:
@@ -401,13 +406,9 @@ def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse
         delta = tl.load(delta_ptr + rows)
     s_t = _dot(k, tl.trans(q), None, DOT_PREC, EMU_BF16)
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
-    if MASKED == 1:
+    if MASKED:
         keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
-    elif MASKED == 2:
-        if (start_m < mask_lo) | (start_m >= mask_hi):
-            keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
     dv = _dot(_cast(p_t, do.dtype, EMU_BF16), do, dv, DOT_PREC, EMU_BF16)
     dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -417,8 +418,8 @@ def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse
 
 @triton.jit
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
-                 sqs, sqh, sds, sdh, slh, kpos, offs_m, offs_d, lo, hi, mask_lo, mask_hi, seqlen_q, seqlen_k, off,
-                 left, right, qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 sqs, sqh, sds, sdh, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                 qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each of the
@@ -437,16 +438,14 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, des
                                 do_base + g64 * sdh + sm64 * sds + do_offs, desc_q, desc_do, q_row,
                                 (h0 + g) * HEAD_DIM, LSE2 + l_base + g64 * slh, DELTA + l_base + g64 * slh,
                                 start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
-                                mask_lo, mask_hi, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC,
-                                EMU_BF16)
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             sm64 = tl.cast(start_m, tl.int64)
             dk, dv = _dkdv_step(dk, dv, k, v, q_base + sm64 * sqs + q_offs, do_base + sm64 * sds + do_offs,
                                 desc_q, desc_do, q_row, h0 * HEAD_DIM, LSE2 + l_base, DELTA + l_base,
                                 start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
-                                mask_lo, mask_hi, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC,
-                                EMU_BF16)
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
@@ -457,7 +456,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
                    seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr,
-                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr,
+                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
     blocks are seen by the most causal queries: they go first."""
@@ -488,25 +487,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
     q_base = Q + b64 * sqb + start64 * sqs + h64 * sqh
     do_base = DO + b64 * sdb + start64 * sds + h64 * sdh
     l_base = b64 * slb + h64 * slh + start64
-    if ONE_LOOP and USE_TMA:
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_lo, inner_hi, sq, sk, off,
+                          left, right, qk_scale, False, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
+    if HAS_RIGHT:
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
-                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, hi, inner_lo, inner_hi,
-                              sq, sk, off, left, right, qk_scale, 2, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D,
-                              BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
-    else:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
-                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_lo, inner_hi, lo, hi,
-                              sq, sk, off, left, right, qk_scale, 0, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D,
-                              BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
-        if HAS_RIGHT:
-            dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
-                                  group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, inner_lo, lo, hi,
-                                  sq, sk, off, left, right, qk_scale, 1, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM,
-                                  BLOCK_D, BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
-                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_hi, hi, lo, hi,
-                              sq, sk, off, left, right, qk_scale, 1, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D,
-                              BLOCK_M, USE_TMA, DOT_PREC, EMU_BF16)
+                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, inner_lo, sq, sk, off,
+                              left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                              USE_TMA, DOT_PREC, EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_hi, hi, sq, sk, off,
+                          left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     dk = dk * softmax_scale
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
@@ -515,11 +508,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
 
 @triton.jit
 def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
-               qpos, offs_n, offs_d, lo, hi, mask_lo, mask_hi, seqlen_k, left, right, qk_scale,
+               qpos, offs_n, offs_d, lo, hi, seqlen_k, left, right, qk_scale,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
-    """dQ of one query block over key blocks [lo, hi); MASKED as in _fwd_blocks (2: descriptor loads)."""
+    """dQ of one query block over key blocks [lo, hi)."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     v_offs = offs_n[:, None] * svs + offs_d[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -529,17 +522,13 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
             v = desc_v.load([k_row + start_n, kv_col])
         else:
             start = tl.cast(start_n, tl.int64)
-            k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-            v = _load_tile(v_base + start * svs + v_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
+            k = _load_tile(k_base + start * sks + k_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            v = _load_tile(v_base + start * svs + v_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = _dot(q, tl.trans(k), None, DOT_PREC, EMU_BF16)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
-        if MASKED == 1:
+        if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
-        elif MASKED == 2:
-            if (start_n < mask_lo) | (start_n >= mask_hi):
-                keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-                p = tl.where(keep, p, 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PREC, EMU_BF16)
         ds = p * (dp - delta[:, None])
         dq = _dot(_cast(ds, k.dtype, EMU_BF16), k, dq, DOT_PREC, EMU_BF16)
@@ -552,7 +541,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
                  seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-                 DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr,
+                 DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
@@ -584,21 +573,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
     k_row = b * rows_k + start
     kv_col = hk * HEAD_DIM
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if ONE_LOOP and USE_TMA:
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
+                    qpos, offs_n, offs_d, inner_lo, inner_hi, sk, left, right, qk_scale, False,
+                    HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
+    if HAS_LEFT:
         dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
-                        qpos, offs_n, offs_d, lo, hi, inner_lo, inner_hi, sk, left, right, qk_scale, 2,
+                        qpos, offs_n, offs_d, lo, inner_lo, sk, left, right, qk_scale, True,
                         HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
-    else:
-        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
-                        qpos, offs_n, offs_d, inner_lo, inner_hi, lo, hi, sk, left, right, qk_scale, 0,
-                        HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
-        if HAS_LEFT:
-            dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
-                            qpos, offs_n, offs_d, lo, inner_lo, lo, hi, sk, left, right, qk_scale, 1,
-                            HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
-        dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
-                        qpos, offs_n, offs_d, inner_hi, hi, lo, hi, sk, left, right, qk_scale, 1,
-                        HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv_col, sks, svs,
+                    qpos, offs_n, offs_d, inner_hi, hi, sk, left, right, qk_scale, True,
+                    HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_N, USE_TMA, DOT_PREC, EMU_BF16)
     dq = dq * softmax_scale
     g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(g_ptrs, _cast(dq, DQ.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
@@ -636,10 +620,6 @@ CONFIGS = {
 # under sustained load is timed at the speed it keeps (see the module docstring).
 TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100
 _INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-# The interior and boundary key (or query) blocks of a program in one loop, the mask applied by a branch in
-# the boundary blocks (descriptor loads only): one software pipeline to fill and drain, not two or three.
-# TILEWISE_ATTN_ONE_LOOP=0 keeps a loop per phase (an A/B switch while it is measured).
-_ONE_LOOP = os.environ.get("TILEWISE_ATTN_ONE_LOOP", "1").strip() != "0"
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads, batch); a larger batch is launched in chunks
 
 
@@ -923,7 +903,7 @@ def _flags(q, left, right):
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=max(16, _pow2(q.shape[-1])),
                 HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, VARLEN=False,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16, ONE_LOOP=_ONE_LOOP)
+                EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16)
 
 
 def _bucket(max_q, max_k):

@@ -275,18 +275,23 @@ _FP32_OUT_MM_OK = {}  # (device, dtype) -> whether mm/addmm(..., torch.float32) 
 def _fp32_out_mm_ok(device, dtype):
     """mm and addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8), checked once per
     device with the calls _mm_accumulate makes: mm into a NaN-filled accumulator (overwritten), then addmm
-    adding into it in place."""
+    adding into it in place. Checked with autocast off (under it the fp32 reference product ran in bf16 and
+    the check failed: inside the model's forward on the H200 the head gradient took the fallback) and never
+    during a CUDA graph capture, which its synchronization would break (the fallback is used uncached)."""
     key = (str(device), dtype)
     if key not in _FP32_OUT_MM_OK:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
         ok = False
         if device.type == "cuda":
             try:
-                a = torch.randn(64, 48, device=device, dtype=dtype).t()
-                b = torch.randn(64, 40, device=device, dtype=dtype)
-                acc = torch.full((48, 40), float("nan"), device=device)
-                torch.mm(a, b, torch.float32, out=acc)
-                torch.addmm(acc, a, b, torch.float32, out=acc)
-                ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
+                with torch.autocast(device.type, enabled=False):
+                    a = torch.randn(64, 48, device=device, dtype=dtype).t()
+                    b = torch.randn(64, 40, device=device, dtype=dtype)
+                    acc = torch.full((48, 40), float("nan"), device=device)
+                    torch.mm(a, b, torch.float32, out=acc)
+                    torch.addmm(acc, a, b, torch.float32, out=acc)
+                    ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
             except (RuntimeError, TypeError):
                 ok = False
         _FP32_OUT_MM_OK[key] = ok
@@ -361,6 +366,14 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
     return gh, gw, gb
 
 
+def _no_autocast(t):
+    """The chunk loop's GEMMs name their dtypes and need no autocast; under it the fp32 reference of
+    _fp32_out_mm_ok ran in bf16, the check failed, and the head's weight gradient took the fallback (the
+    1.3B bf16 step on the H200 at 95b2c65: a bf16 product a chunk, added into the fp32 accumulator, 3 adds
+    and 3 copies of vocab x width, 1.6 ms)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _times(t, g, dtype):
     """t * g rounded once to dtype (one kernel, no float32 temporary); None stays None."""
     if t is None:
@@ -427,11 +440,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         lse = torch.empty((n,), device=hidden.device, dtype=torch.float32)
         kw = dict(ignore_index=ignore_index, z_loss=z_loss, chunk_rows=chunk_rows, loss=loss, config=config)
         if reduction == "none":
-            _fused_chunks(hidden, weight, bias, target, lse, **kw)
+            with _no_autocast(hidden):
+                _fused_chunks(hidden, weight, bias, target, lse, **kw)
             ctx.save_for_backward(hidden, weight, bias, target, lse)
             return loss
         scale = _mean_scale(target, ignore_index, reduction)
-        grads = _fused_chunks(hidden, weight, bias, target, lse, scale=scale, want=want, **kw)
+        with _no_autocast(hidden):
+            grads = _fused_chunks(hidden, weight, bias, target, lse, scale=scale, want=want, **kw)
         ctx.save_for_backward(*grads)
         return loss.sum() * scale[0]
 
@@ -441,9 +456,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if reduction == "none":
             hidden, weight, bias, target, lse = ctx.saved_tensors
             scale = grad_out.reshape(-1).to(torch.float32).contiguous()
-            gh, gw, gb = _fused_chunks(hidden, weight, bias, target, lse, ignore_index=ignore_index,
-                                       z_loss=z_loss, chunk_rows=chunk_rows, scale=scale, want=want,
-                                       config=config)
+            with _no_autocast(hidden):
+                gh, gw, gb = _fused_chunks(hidden, weight, bias, target, lse, ignore_index=ignore_index,
+                                           z_loss=z_loss, chunk_rows=chunk_rows, scale=scale, want=want,
+                                           config=config)
             gw, gb = (None if t is None else t.to(d) for t, d in zip((gw, gb), dtypes[1:]))
         else:
             g = grad_out.to(torch.float32)

@@ -271,7 +271,10 @@ def _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base
     """Online softmax over key blocks [lo, hi). qc: the row factor (Q row scale * softmax scale * log2 e);
     a tile's K scale multiplies it, so each score still costs one FMA and one exp2. acc is kept in units
     of the current V block's scale vs_i / 448. MASKED as in attention._fwd_blocks (2: descriptor loads, the
-    blocks outside [mask_lo, mask_hi) masked)."""
+    blocks outside [mask_lo, mask_hi) masked, interior and boundary in one loop). H200 at 5f25a2c, d128
+    N4096, one loop against a loop per phase: the tuner's kernel times causal 0.423 / 0.438 ms, non-causal
+    0.745 / 0.711 (rotated 0.449 / 0.461, 0.777 / 0.782); the whole forward by do_bench 1.5% (non-causal)
+    and 2.8% (causal) faster. Within this run-to-run spread, so the bf16 kernel's structure is kept."""
     k_offs = offs_n[:, None] * sks + offs_d[None, :]
     vt_offs = offs_d[:, None] * std + offs_n[None, :]
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -318,8 +321,7 @@ def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
              seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, left, right, b0,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
              VARLEN: tl.constexpr, USE_TMA: tl.constexpr, KV_BLOCK: tl.constexpr, ROTATE: tl.constexpr,
-             EMU: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first. The program quantizes its Q tile
     (rotated first with ROTATE) and passes it through Q8, a scratch copy it writes and reads back: a loaded
     tile feeds the Q K^T wgmmas from shared memory (the module docstring says why, and how it timed)."""
@@ -356,7 +358,7 @@ def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     k_row = b * rows_k + start
     kv_col = hk * HEAD_DIM
     vt_row = (b * t_heads + hk) * HEAD_DIM
-    if ONE_LOOP and USE_TMA:
+    if USE_TMA:   # interior and boundary blocks in one loop, as attention._attn_fwd
         acc, l_i, m_i, vs_i = _fp8_fwd_blocks(acc, l_i, m_i, vs_i, q8, qc, k_base, vt_base, KS, VS, s_base,
                                               desc_k, desc_v, k_row, kv_col, vt_row, tstart, sks, std, qpos, offs_n,
                                               offs_d, lo, hi, inner_lo, inner_hi, sk, left, right, 2, HAS_LEFT,
@@ -396,7 +398,7 @@ def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
 @triton.jit
 def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                    desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, q_col, qt_row, qt_col,
-                   s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, mask_lo, mask_hi,
+                   s8s, std, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right,
                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, EMU: tl.constexpr):
@@ -413,11 +415,11 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         sm64 = tl.cast(start_m, tl.int64)
         r_offs = (sm64 + offs_m)[:, None] * s8s + offs_d[None, :]
         t_offs = offs_d.to(tl.int64)[:, None] * std + sm64 + offs_m[None, :]
-        q8 = _load_tile(Q8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-        do8 = _load_tile(DO8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-        q8t = _load_tile_t(Q8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-        do8t = _load_tile_t(DO8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-    if MASKED > 0:
+        q8 = _load_tile(Q8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do8 = _load_tile(DO8 + q_off + r_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        q8t = _load_tile_t(Q8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+        do8t = _load_tile_t(DO8T + qt_off + t_offs, rows, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+    if MASKED:
         inside = rows < seqlen_q
         qs = tl.load(QS + l_off + rows, mask=inside, other=1.0)
         dos = tl.load(DOS + l_off + rows, mask=inside, other=1.0)
@@ -430,13 +432,9 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
         delta = tl.load(DELTA + l_off + rows)
     s_t = tl.dot(k8, tl.trans(q8))
     p_t = tl.math.exp2(s_t * (qs * kc)[None, :] - (lse2 - P_LOG2)[None, :])   # P^T * 256
-    if MASKED == 1:
+    if MASKED:
         keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
-    elif MASKED == 2:
-        if (start_m < mask_lo) | (start_m >= mask_hi):
-            keep = _keep(rows[None, :] + off, kpos[:, None], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-            p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
     dv = tl.dot(_e4m3(p_t, EMU), tl.trans(do8t), dv)   # dO^T scaled per head: no row scale here
     dp_t = tl.dot(v8, tl.trans(do8))
     # dS^T diag(Q row scales), the row scales and P's 1/256 folded into the per-query vectors (powers of two)
@@ -449,8 +447,8 @@ def _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2
 @triton.jit
 def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row, qt_col, group,
-                     s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, mask_lo, mask_hi, seqlen_q, seqlen_k,
-                     off, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
+                     s8s, s8h, sth, std, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GQA: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each head of
@@ -465,14 +463,14 @@ def _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LS
                                         DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off + g64 * s8h,
                                         qt_off + g64 * sth, l_off + g64 * slh, q_row, (h0 + g) * HEAD_DIM,
                                         qt_row + g * HEAD_DIM, qt_col, s8s, std, start_m, kpos, offs_m,
-                                        offs_d, seqlen_q, seqlen_k, off, left, right, mask_lo, mask_hi, MASKED, HAS_LEFT,
+                                        offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
                                         HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             dk, dv, ck = _fp8_dkdv_step(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
                                         DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
                                         q_row, h0 * HEAD_DIM, qt_row, qt_col, s8s, std, start_m, kpos, offs_m,
-                                        offs_d, seqlen_q, seqlen_k, off, left, right, mask_lo, mask_hi, MASKED, HAS_LEFT,
+                                        offs_d, seqlen_q, seqlen_k, off, left, right, MASKED, HAS_LEFT,
                                         HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, BLOCK_M, BLOCK_N, EMU)
     return dk, dv, ck
 
@@ -491,7 +489,7 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                   seqlen_q, seqlen_k, rows_q, t_heads, group, qk_scale, grad_scale, left, right, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr, ROTATE: tl.constexpr,
-                  KV_BLOCK: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr,
+                  KV_BLOCK: tl.constexpr, EMU: tl.constexpr, EMU_BF16: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
     layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
@@ -521,23 +519,22 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
     l_off = b64 * slb + h64 * slh + start64
     q_row = b * rows_q + start
     qt_row = (b * t_heads + h0) * HEAD_DIM
-    args = (Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off,
-            q_row, h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d)
-    if ONE_LOOP and USE_TMA:
-        dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, *args, lo, hi, inner_lo, inner_hi, sq, sk, off,
-                                      left, right, 2, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      USE_TMA, EMU)
-    else:
-        dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, *args, inner_lo, inner_hi, lo, hi, sq, sk, off,
-                                      left, right, 0, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      USE_TMA, EMU)
-        if HAS_RIGHT:
-            dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, *args, lo, inner_lo, lo, hi, sq, sk, off,
-                                          left, right, 1, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                          BLOCK_N, USE_TMA, EMU)
-        dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, *args, inner_hi, hi, lo, hi, sq, sk, off,
-                                      left, right, 1, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      USE_TMA, EMU)
+    dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
+                                      tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      inner_lo, inner_hi, sq, sk, off, left, right, False, HAS_LEFT, HAS_RIGHT,
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
+    if HAS_RIGHT:
+        dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2,
+                                          DELTA, desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row,
+                                          h0, qt_row, tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m,
+                                          offs_d, lo, inner_lo, sq, sk, off, left, right, True, HAS_LEFT,
+                                          HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
+    dk, dv, ck = _fp8_dkdv_blocks(dk, dv, ck, k8, v8, kc, vs, Q8, Q8T, DO8, DO8T, QS, DOS, LSE2, DELTA,
+                                      desc_q, desc_qt, desc_do, desc_dot, q_off, qt_off, l_off, q_row, h0, qt_row,
+                                      tstart, group, s8qs, s8qh, sth, std, slh, offs_n, offs_m, offs_d,
+                                      inner_hi, hi, sq, sk, off, left, right, True, HAS_LEFT, HAS_RIGHT,
+                                      GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, USE_TMA, EMU)
     dv = dv * (_scales(tl.load(DOA + h0))[1] / P_SCALE)
     dk = dk * (_scales(ck)[1] * grad_scale)[:, None]
     if ROTATE:
@@ -550,7 +547,7 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
 @triton.jit
 def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
                    k_off, kt_off, s_base, k_row, k_col, kt_row, kt_col, s8s, std, qpos, offs_n, offs_d, lo, hi,
-                   mask_lo, mask_hi, seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   seqlen_k, left, right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    KV_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, EMU: tl.constexpr):
     """dQ of one query block over key blocks [lo, hi): dQ += dS K with the tile's K scale folded into dS's
@@ -568,18 +565,14 @@ def _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, d
             v8 = desc_v.load([k_row + start_n, k_col])
             k8t = desc_kt.load([kt_row, kt_col + start_n])
         else:
-            k8 = _load_tile(K8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-            v8 = _load_tile(V8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
-            k8t = _load_tile_t(K8T + kt_off + start + t_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED > 0)
+            k8 = _load_tile(K8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            v8 = _load_tile(V8 + k_off + start * s8s + r_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+            k8t = _load_tile_t(K8T + kt_off + start + t_offs, kpos, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
         s = tl.dot(q8, tl.trans(k8))
         p = tl.math.exp2(s * (qc * ks)[:, None] - lse2[:, None])
-        if MASKED == 1:
+        if MASKED:
             keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
-        elif MASKED == 2:
-            if (start_n < mask_lo) | (start_n >= mask_hi):
-                keep = _keep(qpos[:, None], kpos[None, :], seqlen_k, left, right, HAS_LEFT, HAS_RIGHT)
-                p = tl.where(keep, p, 0.0)
         dp = tl.dot(do8, tl.trans(v8))
         ds = p * (dp * (dos * vs)[:, None] - delta[:, None])
         dq, cq = _acc_rows(dq, cq, ds, ks, tl.max(tl.abs(ds), 1) * ks, tl.trans(k8t), EMU)
@@ -592,7 +585,7 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
                 seqlen_q, seqlen_k, rows_k, t_heads, group, qk_scale, grad_scale, left, right, b0,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 VARLEN: tl.constexpr, USE_TMA: tl.constexpr, ROTATE: tl.constexpr, KV_BLOCK: tl.constexpr,
-                EMU: tl.constexpr, EMU_BF16: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr,
+                EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
@@ -625,19 +618,19 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
     kt_row = (b * t_heads + hk) * HEAD_DIM
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cq = tl.zeros([BLOCK_M], tl.float32)
-    args = (q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v, k_off, kt_off, s_base,
-            k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d)
-    if ONE_LOOP and USE_TMA:
-        dq, cq = _fp8_dq_blocks(dq, cq, *args, lo, hi, inner_lo, inner_hi, sk, left, right, 2, HAS_LEFT,
-                                HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
-    else:
-        dq, cq = _fp8_dq_blocks(dq, cq, *args, inner_lo, inner_hi, lo, hi, sk, left, right, 0, HAS_LEFT,
-                                HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
-        if HAS_LEFT:
-            dq, cq = _fp8_dq_blocks(dq, cq, *args, lo, inner_lo, lo, hi, sk, left, right, 1, HAS_LEFT,
-                                    HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
-        dq, cq = _fp8_dq_blocks(dq, cq, *args, inner_hi, hi, lo, hi, sk, left, right, 1, HAS_LEFT,
-                                HAS_RIGHT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
+                            inner_lo, inner_hi, sk, left, right, False, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    if HAS_LEFT:
+        dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt,
+                                desc_v, k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n,
+                                offs_d, lo, inner_lo, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                                BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
+    dq, cq = _fp8_dq_blocks(dq, cq, q8, do8, qc, dos, lse2, delta, K8, K8T, V8, KS, VS, desc_k, desc_kt, desc_v,
+                            k_off, kt_off, s_base, k_row, k_col, kt_row, tstart, s8ks, std, qpos, offs_n, offs_d,
+                            inner_hi, hi, sk, left, right, True, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D,
+                            BLOCK_M, BLOCK_N, KV_BLOCK, USE_TMA, EMU)
     dq = dq * (_scales(cq)[1] * grad_scale)[:, None]
     if ROTATE:
         dq = _unrotate(dq, ROT, offs_d, BLOCK_D)
@@ -813,7 +806,7 @@ def _tma(device, head_dim):
 def _consts(q, left, right, packed):
     return dict(HEAD_DIM=q.shape[-1], BLOCK_D=_block_d(q.shape[-1]), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
                 VARLEN=packed, KV_BLOCK=KV_BLOCK, EMU=_INTERPRET,
-                EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16, ONE_LOOP=attn._ONE_LOOP)
+                EMU_BF16=_INTERPRET and q.dtype == torch.bfloat16)
 
 
 def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
