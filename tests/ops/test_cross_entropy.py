@@ -6,6 +6,7 @@ tolerance as a floor, since both compute the loss in fp32 from the same rounded 
 On CPU the Triton kernels run in the interpreter (small sizes); on a GPU the same tests run the compiled
 kernels, and the gpu-marked ones add the real sizes and the peak-memory target.
 """
+import importlib
 import math
 
 import pytest
@@ -583,7 +584,7 @@ def test_fp32_accumulating_matmul_is_available():
 def test_fp32_accumulating_matmul_check_ignores_autocast(monkeypatch):
     """The check runs where the model first calls the head, under autocast: it must still find the fp32
     GEMM (its fp32 reference once ran in bf16 there, and the head's gradient took the fallback)."""
-    from tilewise.ops import cross_entropy as ce
+    ce = importlib.import_module("tilewise.ops.cross_entropy")   # the module: ops.cross_entropy is the function
     monkeypatch.setattr(ce, "_FP32_OUT_MM_OK", {})
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert ce._fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
