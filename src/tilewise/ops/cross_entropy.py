@@ -275,9 +275,11 @@ _FP32_OUT_MM_OK = {}  # (device, dtype) -> whether mm/addmm(..., torch.float32) 
 def _fp32_out_mm_ok(device, dtype):
     """mm and addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8), checked once per
     device with the calls _mm_accumulate makes: mm into a NaN-filled accumulator (overwritten), then addmm
-    adding into it in place. Checked with autocast off (under it the fp32 reference product ran in bf16 and
-    the check failed: inside the model's forward on the H200 the head gradient took the fallback) and never
-    during a CUDA graph capture, which its synchronization would break (the fallback is used uncached)."""
+    adding into it in place. Checked with autocast off: under it the fp32 reference product ran in bf16 and
+    the check failed, so inside the model's forward the head's gradient took the fallback (the 1.3B bf16
+    step on the H200 at 95b2c65: a bf16 product per chunk added into the fp32 accumulator, 3 adds and 3
+    copies of vocab x width, 1.6 ms; gone at 2a18bea). Never checked during a CUDA graph capture, which its
+    synchronization would break (the fallback is used there, uncached)."""
     key = (str(device), dtype)
     if key not in _FP32_OUT_MM_OK:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -367,10 +369,7 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
 
 
 def _no_autocast(t):
-    """The chunk loop's GEMMs name their dtypes and need no autocast; under it the fp32 reference of
-    _fp32_out_mm_ok ran in bf16, the check failed, and the head's weight gradient took the fallback (the
-    1.3B bf16 step on the H200 at 95b2c65: a bf16 product a chunk, added into the fp32 accumulator, 3 adds
-    and 3 copies of vocab x width, 1.6 ms)."""
+    """The chunk loop's GEMMs name their dtypes: autocast off around it (_fp32_out_mm_ok says what it broke)."""
     return torch.autocast(t.device.type, enabled=False)
 
 
