@@ -238,9 +238,9 @@ def write(rows: list[dict], args) -> None:
     extra = " ".join(f"--{k} {v}" for k, v in given.items() if v != DEFAULTS[k])
     command = ("TILEWISE_COMMIT=<sha> " + ("QUICK=1 " if args.quick else "BENCH_TIMEOUT=480 ")
                + (f'BENCH_ARGS="{extra}" ' if extra else "") + "bash bench/h200.sh e2e")
-    from tilewise.ops.cross_entropy import _fp32_out_mm_ok
+    from tilewise.ops.linear import fp32_out_mm_ok
     # whether the fused head accumulates grad_W with fp32-output GEMMs here (else a bf16 product + add a chunk)
-    fp32_out_mm = _fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
+    fp32_out_mm = fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
     result = {"area": "e2e", **environment(), "command": command, "fp32_out_mm": fp32_out_mm, "rows": rows}
     write_result(result, "e2e.json", [RESULTS, args.out])
 

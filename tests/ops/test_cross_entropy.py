@@ -568,8 +568,9 @@ def test_linear_cross_entropy_peak_memory():
 def test_fp32_accumulating_matmul_is_available():
     """grad_weight accumulates through addmm(..., torch.float32) on bf16 operands; without it the fallback
     (a bf16 product added to the fp32 accumulator) is right but moves more bytes per chunk."""
-    from tilewise.ops.cross_entropy import _fp32_out_mm_ok, _mm_accumulate
-    assert _fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
+    from tilewise.ops.cross_entropy import _mm_accumulate
+    from tilewise.ops.linear import fp32_out_mm_ok
+    assert fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(12)
     a = torch.randn(3, 256, 512, device="cuda", generator=gen).bfloat16()
     b = torch.randn(3, 256, 96, device="cuda", generator=gen).bfloat16()
@@ -584,10 +585,10 @@ def test_fp32_accumulating_matmul_is_available():
 def test_fp32_accumulating_matmul_check_ignores_autocast(monkeypatch):
     """The check runs where the model first calls the head, under autocast: it must still find the fp32
     GEMM (its fp32 reference once ran in bf16 there, and the head's gradient took the fallback)."""
-    ce = importlib.import_module("tilewise.ops.cross_entropy")   # the module: ops.cross_entropy is the function
-    monkeypatch.setattr(ce, "_FP32_OUT_MM_OK", {})
+    lin = importlib.import_module("tilewise.ops.linear")   # the module: ops.linear is the function
+    monkeypatch.setattr(lin, "_FP32_OUT_MM_OK", {})
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert ce._fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
+        assert lin.fp32_out_mm_ok(torch.device("cuda"), torch.bfloat16)
 
 
 @pytest.mark.gpu

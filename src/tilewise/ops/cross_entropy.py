@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .dispatch import use_triton
 from .launch import FastLauncher
+from .linear import fp32_out_mm_ok
 
 REDUCTIONS = ("mean", "sum", "none")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -269,43 +270,12 @@ def ce_rows(logits, target, *, ignore_index, z_loss, loss=None, lse=None, grad=N
         num_warps=config.num_warps)
 
 
-_FP32_OUT_MM_OK = {}  # (device, dtype) -> whether mm/addmm(..., torch.float32) accumulate correctly there
-
-
-def _fp32_out_mm_ok(device, dtype):
-    """mm and addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8), checked once per
-    device with the calls _mm_accumulate makes: mm into a NaN-filled accumulator (overwritten), then addmm
-    adding into it in place. Checked with autocast off: under it the fp32 reference product ran in bf16 and
-    the check failed, so inside the model's forward the head's gradient took the fallback (the 1.3B bf16
-    step on the H200 at 95b2c65: a bf16 product per chunk added into the fp32 accumulator, 3 adds and 3
-    copies of vocab x width, 1.6 ms; gone at 2a18bea). Never checked during a CUDA graph capture, which its
-    synchronization would break (the fallback is used there, uncached)."""
-    key = (str(device), dtype)
-    if key not in _FP32_OUT_MM_OK:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        ok = False
-        if device.type == "cuda":
-            try:
-                with torch.autocast(device.type, enabled=False):
-                    a = torch.randn(64, 48, device=device, dtype=dtype).t()
-                    b = torch.randn(64, 40, device=device, dtype=dtype)
-                    acc = torch.full((48, 40), float("nan"), device=device)
-                    torch.mm(a, b, torch.float32, out=acc)
-                    torch.addmm(acc, a, b, torch.float32, out=acc)
-                    ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
-            except (RuntimeError, TypeError):
-                ok = False
-        _FP32_OUT_MM_OK[key] = ok
-    return _FP32_OUT_MM_OK[key]
-
-
 def _mm_accumulate(acc, a, b, first):
     """acc (float32) = a @ b when first, else acc += a @ b; a and b in the input dtype. Without an fp32-output
     GEMM (the CPU) a product in the input dtype is copied or added: right, but more bytes a chunk."""
     if a.dtype == acc.dtype:
         torch.addmm(acc, a, b, beta=0 if first else 1, out=acc)
-    elif _fp32_out_mm_ok(acc.device, a.dtype):
+    elif fp32_out_mm_ok(acc.device, a.dtype):
         if first:
             torch.mm(a, b, torch.float32, out=acc)
         else:
@@ -369,7 +339,7 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
 
 
 def _no_autocast(t):
-    """The chunk loop's GEMMs name their dtypes: autocast off around it (_fp32_out_mm_ok says what it broke)."""
+    """The chunk loop's GEMMs name their dtypes: autocast off around it (linear.fp32_out_mm_ok says what it broke)."""
     return torch.autocast(t.device.type, enabled=False)
 
 

@@ -10,8 +10,9 @@ the FP8 cast's column-sum kernel (fp32 partial rows, then one small reduction): 
 torch.sum's 1069-2903 at the e2e shapes (bench/linear.py, 9bb389e).
 
 It runs where the Triton ops run (tilewise.ops' dispatch rule: CUDA tensors, or TILEWISE_OPS=triton);
-the reference is F.linear under autocast. The fp32-output GEMM is torch.mm(a, b, out_dtype) on CUDA; on
-the CPU, which has no such kernel, the bf16 operands are widened exactly and multiplied in fp32.
+the reference is F.linear under autocast. The fp32-output GEMM is torch.mm(a, b, out_dtype) on CUDA where
+fp32_out_mm_ok finds it (torch >= 2.8; the fused cross-entropy asks the same); elsewhere (the CPU, an older
+torch) the bf16 operands are widened exactly and multiplied in fp32.
 
 FP8 linears swap the module (tilewise.fp8.Fp8Linear), not this function, because they carry scaling
 state across steps.
@@ -27,9 +28,40 @@ from .fp8_cast import column_sums
 _HALF = (torch.bfloat16, torch.float16)
 
 
+_FP32_OUT_MM_OK = {}  # (device, dtype) -> whether mm/addmm(..., torch.float32) accumulate correctly there
+
+
+def fp32_out_mm_ok(device, dtype) -> bool:
+    """mm and addmm with a float32 output from bf16/fp16 operands (CUDA, torch >= 2.8), checked once per
+    device with the calls the fused cross-entropy's accumulation makes: mm into a NaN-filled accumulator
+    (overwritten), then addmm adding into it in place. Checked with autocast off: under it the fp32 reference product ran in bf16 and
+    the check failed, so inside the model's forward the head's gradient took the fallback (the 1.3B bf16
+    step on the H200 at 95b2c65: a bf16 product per chunk added into the fp32 accumulator, 3 adds and 3
+    copies of vocab x width, 1.6 ms; gone at 2a18bea). Never checked during a CUDA graph capture, which its
+    synchronization would break (the fallback is used there, uncached)."""
+    key = (str(device), dtype)
+    if key not in _FP32_OUT_MM_OK:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        ok = False
+        if device.type == "cuda":
+            try:
+                with torch.autocast(device.type, enabled=False):
+                    a = torch.randn(64, 48, device=device, dtype=dtype).t()
+                    b = torch.randn(64, 40, device=device, dtype=dtype)
+                    acc = torch.full((48, 40), float("nan"), device=device)
+                    torch.mm(a, b, torch.float32, out=acc)
+                    torch.addmm(acc, a, b, torch.float32, out=acc)
+                    ok = bool(torch.allclose(acc, 2 * (a.float() @ b.float()), rtol=1e-3, atol=1e-3))
+            except (RuntimeError, TypeError):
+                ok = False
+        _FP32_OUT_MM_OK[key] = ok
+    return _FP32_OUT_MM_OK[key]
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b of bf16/fp16 operands, accumulated and written in fp32."""
-    if a.is_cuda:
+    if a.is_cuda and (torch.compiler.is_compiling() or fp32_out_mm_ok(a.device, a.dtype)):
         return torch.mm(a, b, out_dtype=torch.float32)
     with torch.autocast(a.device.type, enabled=False):   # a backward traced under autocast (torch.compile)
         return torch.mm(a.float(), b.float())
