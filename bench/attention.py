@@ -117,8 +117,6 @@ def providers(torch, F):
     """name -> (fn(q, k, v, causal) on (B, N, H, D) tensors, env) or a string saying why it is missing."""
     from tilewise.ops import flash_attention
     found = {"tilewise": (lambda q, k, v, c: flash_attention(q, k, v, causal=c), {})}
-    # the backward with dQ from its own kernel (bitwise repeatable) instead of fused into dK/dV's
-    found["tilewise_det"] = (lambda q, k, v, c: flash_attention(q, k, v, causal=c, deterministic=True), {})
     found["tilewise_ptr"] = (found["tilewise"][0], _env("ptr"))
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -273,7 +271,7 @@ def bench_shape(torch, triton, attn, provs, head_dim, seqlen, causal, rep, with_
             row["notes"] = notes
         rows.append(row)
         # Details stay out of the rows (the README table shows every row key): host time, tuning.
-        kernels = ("fwd",) if direction == "fwd" else ("dkdv_dq", "dkdv", "dq")
+        kernels = ("fwd",) if direction == "fwd" else ("dkdv", "dq")
         details.append({"shape": row["shape"], "host_us": {n: h[direction] for n, h in host.items()},
                         "tuning": {kern: tuned[kern] for kern in kernels if tuned.get(kern)}})
     return rows
@@ -480,7 +478,7 @@ def fp8_table(rows, accuracy):
 
 
 def table(rows):
-    cols = ["tilewise", "tilewise_det", "tilewise_ptr", "sdpa_flash", "sdpa_cudnn", "flex"]
+    cols = ["tilewise", "tilewise_ptr", "sdpa_flash", "sdpa_cudnn", "flex"]
     head = f"{'d':>4} {'N':>6} {'causal':>6} {'pass':>5} " + " ".join(f"{c:>12}" for c in cols) + \
         f" {'x flash':>8} {'x flex':>8} {'x best':>8}"
     lines = ["attention, bf16, TFLOP/s (x = tilewise / peer)", head]

@@ -90,10 +90,8 @@ def _rel(x, ref):
     return (num / den).item() if den > 0 else num.item()
 
 
-def check(q, k, v, *, causal=False, window=None, cu_seqlens=None, softmax_scale=None, with_lse=False,
-          deterministic=False):
-    """Forward, LSE and the three gradients of the Triton path against the float64 reference (the backward
-    with dQ fused into the dK/dV kernel, or with deterministic=True its own kernel)."""
+def check(q, k, v, *, causal=False, window=None, cu_seqlens=None, softmax_scale=None, with_lse=False):
+    """Forward, LSE and the three gradients of the Triton path against the float64 reference."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     dout = torch.randn_like(q)
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
@@ -102,7 +100,7 @@ def check(q, k, v, *, causal=False, window=None, cu_seqlens=None, softmax_scale=
 
     def ours(q_, k_, v_):
         with ops.use("triton"):
-            return flash_attention(q_, k_, v_, return_lse=True, deterministic=deterministic, **kw)
+            return flash_attention(q_, k_, v_, return_lse=True, **kw)
 
     def ref64(q_, k_, v_):
         if cu_seqlens is not None:
@@ -262,8 +260,7 @@ def test_autograd_function_matches_the_custom_op(device, tma):
     scale = 1.0 / math.sqrt(16)
     with ops.use("triton"):
         a, lse_a = _grads(lambda *t: flash_attention(*t, causal=True, return_lse=True), (q, k, v), dout)
-    b, lse_b = _grads(lambda *t: torch.ops.tilewise.flash_attn_fwd(*t, None, 0, scale, -1, 0, False), (q, k, v),
-                      dout)
+    b, lse_b = _grads(lambda *t: torch.ops.tilewise.flash_attn_fwd(*t, None, 0, scale, -1, 0), (q, k, v), dout)
     for x, y in zip(a + [lse_a], b + [lse_b]):
         assert torch.equal(x, y)
 
@@ -286,44 +283,19 @@ def test_packed_lse_layout(device, tma):
     assert torch.allclose(lse, lse_ref, atol=1e-5, rtol=0)
 
 
-def test_deterministic_gradients_are_bitwise_repeatable(device, tma):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_are_bitwise_repeatable(deterministic, device, tma):
     tma("ptr")
     q, k, v = qkv(1, 40, 40, 4, 1, 16, device=device)  # GQA: dK/dV sum 4 query heads
     dout = torch.randn_like(q)
     runs = []
     for _ in range(2):
         with ops.use("triton"):
-            got, _ = _grads(lambda *t: flash_attention(*t, causal=True, deterministic=True), (q, k, v), dout)
+            got, _ = _grads(lambda *t: flash_attention(*t, causal=True, deterministic=deterministic),
+                            (q, k, v), dout)
         runs.append(got)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("path", ["ptr", "tma"])
-@pytest.mark.parametrize("case", ["ragged batch", "gqa window", "varlen"])
-def test_deterministic_backward(path, case, device, tma):
-    """deterministic=True (dQ from its own kernel) against float64, as every other test checks the default
-    (dQ fused into the dK/dV kernel); a ragged batch has key tiles that run into the next sequence."""
-    tma(path)
-    if case == "varlen":
-        cu = torch.tensor([0, 17, 18, 50], dtype=torch.int32, device=device)
-        q, k, v = (_rand(50, h, 32, dtype=torch.bfloat16, device=device) for h in (4, 2, 2))
-        check(q, k, v, causal=True, cu_seqlens=cu, deterministic=True)
-    elif case == "gqa window":
-        check(*qkv(1, 45, 45, 4, 2, 32, device=device), causal=True, window=(7, -1), deterministic=True)
-    else:
-        check(*qkv(2, 33, 33, 2, 1, 32, device=device), deterministic=True)
-
-
-@pytest.mark.parametrize("path", ["ptr", "tma"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_dq_ignores_the_next_sequences_keys(path, causal, device, tma):
-    """A padded batch whose length is not a multiple of the key tile: a descriptor tile of the last key block
-    holds the next sequence's keys, which must add nothing to dQ (large values there would show)."""
-    tma(path)
-    q, k, v = qkv(3, 21, 21, 2, 2, 32, device=device)
-    k[1:] *= 30.0
-    check(q, k, v, causal=causal)
 
 
 def test_no_keys(device, tma):
@@ -383,12 +355,10 @@ def test_opcheck(device, tma):
     """Schema, fake (meta) implementations, autograd registration and AOT dispatch of both custom ops."""
     tma("ptr")
     q, k, v = (t.requires_grad_() for t in qkv(1, 9, 9, 2, 1, 16, dtype=torch.float32, device=device))
-    torch.library.opcheck(torch.ops.tilewise.flash_attn_fwd.default, (q, k, v, None, 0, 0.25, -1, 0, False))
+    torch.library.opcheck(torch.ops.tilewise.flash_attn_fwd.default, (q, k, v, None, 0, 0.25, -1, 0))
     out, lse = attn._attn_forward(q.detach(), k.detach(), v.detach(), None, 0, 0.25, -1, 0)
-    for deterministic in (False, True):
-        args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0.25, -1, 0,
-                deterministic)
-        torch.library.opcheck(torch.ops.tilewise.flash_attn_bwd.default, args)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, None, 0, 0.25, -1, 0)
+    torch.library.opcheck(torch.ops.tilewise.flash_attn_bwd.default, args)
 
 
 def test_batch_split_over_grid_launches(device, tma, monkeypatch):
@@ -492,7 +462,7 @@ def test_config_choice_times_skips_and_caches(fake_gpu):
     _launch(kern, "off")  # the key is known: one launch, nothing timed
     assert [x[0] for x in fake.launches] == [(32, 32, 4, 2)] and timed == []
     report = attn.tuning_report()
-    assert set(report) == {"fwd", "dkdv", "dkdv_dq", "dq"}
+    assert set(report) == {"fwd", "dkdv", "dq"}
 
 
 def test_config_choice_untimed_takes_the_first_that_compiles(fake_gpu, monkeypatch):
@@ -706,7 +676,7 @@ def test_forward_plan_passes_the_keyed_paths_arguments(path, tma, monkeypatch):
     assert _rel(got[0], attention_reference(q2, k2, v2, causal=True)) < 2e-2
 
 
-@pytest.mark.parametrize("case", ["plain", "dlse", "strided dout", "padded dout", "gradient views", "deterministic"])
+@pytest.mark.parametrize("case", ["plain", "dlse", "strided dout", "padded dout", "gradient views"])
 @pytest.mark.parametrize("path", ["tma", "ptr"])
 def test_backward_plan_passes_the_keyed_paths_arguments(path, case, tma, monkeypatch):
     """The backward plan (_backward_plan) against the keyed path, as the forward's test does: dQ, dK, dV
@@ -737,7 +707,7 @@ def test_backward_plan_passes_the_keyed_paths_arguments(path, case, tma, monkeyp
 
     def backward(args, grads):
         with ops.use("triton"):
-            return attn._attn_backward(*args, None, 0, scale, -1, 0, case == "deterministic", grads=grads)
+            return attn._attn_backward(*args, None, 0, scale, -1, 0, grads=grads)
     for _ in range(2):     # the interpreter's one config is bound on each kernel's second call
         backward(*inputs())
     args, grads = inputs()
@@ -773,12 +743,10 @@ def test_gpu_forward_plan_matches_the_keyed_path(path, tma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("path", ["tma", "ptr"])
-def test_gpu_backward_plan_matches_the_keyed_path(path, deterministic, tma):
+def test_gpu_backward_plan_matches_the_keyed_path(path, tma):
     """The backward's plan on the GPU (its direct launches the compiled kernels'): dQ, dK, dV bitwise the
-    keyed path's, for a dO the keyed path copies too; with dQ fused, its atomic adds come in any order, so
-    dQ agrees to rounding."""
+    keyed path's, for a dO the keyed path copies too."""
     tma(path)
     scale = 128 ** -0.5
 
@@ -789,14 +757,13 @@ def test_gpu_backward_plan_matches_the_keyed_path(path, deterministic, tma):
         return dout, q, k, v, out, lse, None
 
     def backward(args):
-        return attn._attn_backward(*args, None, 0, scale, -1, 0, deterministic)
+        return attn._attn_backward(*args, None, 0, scale, -1, 0)
     before = set(attn._DQ.plans)
     for _ in range(3):
         backward(inputs())
     args = inputs()
     want, got = keyed_and_planned(attn._DQ.plans, before, lambda: backward(args))
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    assert torch.equal(got[0], want[0]) if deterministic else _rel(got[0], want[0]) < 1e-2
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.gpu

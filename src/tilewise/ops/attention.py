@@ -16,7 +16,10 @@ Flash attention: the N x N scores never reach HBM.
   delta = rowsum(dO * O) - dLSE and lse2; one kernel per key block accumulates dK and dV over the query
   blocks (with GQA, over the query blocks of every head of its group, in one flat loop); one kernel per
   query block accumulates dQ over the key blocks. No atomics anywhere, so gradients are bitwise repeatable
-  whatever `deterministic` says.
+  whatever `deterministic` says. (dQ fused into the dK/dV kernel instead, each tile's dS K added into an fp32
+  accumulator by a TMA reduce as FlashAttention-2/3 do, measured slower on the H200 at 701f54a: at head_dim
+  128 1.21 against 0.98 ms for N=2048 causal, 20.7 against 12.6 ms for N=16384 non-causal; even at head_dim
+  64. The added time is about what 1.3 TB/s of fp32 reduce traffic takes.)
 - Bytes: forward reads Q and writes O once (plus 4 bytes of LSE per row) and reads K, V once per query
   block, mostly from L2; backward reads Q, K, V, O, dO and writes dQ, dK, dV, re-reading per block in the
   same way. Memory is O(N): no N x N tensor is kept.
@@ -77,9 +80,6 @@ except ImportError:  # a Triton without host descriptors: pointer loads only
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # read inside a kernel: compiled Triton accepts only constexpr globals
-# The fused dQ's accumulation on the descriptor path: a TMA reduce, which the interpreter does not run (it
-# takes pointer atomics there; the descriptor reduce is tested on the GPU)
-_DESC_REDUCE = tl.constexpr(not _INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,15 +388,13 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, dqa_ptrs, desc_q, desc_do, desc_dqa, q_row, q_col, lse2_ptr,
-               delta_ptr, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
-               softmax_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FUSED_DQ: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, desc_q, desc_do, q_row, q_col, lse2_ptr, delta_ptr,
+               start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """One query block's share of dK, dV, in the transposed (key, query) frame: P^T = exp2(K Q^T c - lse2),
-    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q. FUSED_DQ: also this key block's share of the
-    query block's dQ, dS K * scale, added into the fp32 accumulator (a TMA reduce on the descriptor path).
-    Rows past seqlen_q add exact zeros there (P is masked to 0 in their boundary block)."""
+    dV += P^T dO, dS^T = P^T * (V dO^T - delta), dK += dS^T Q."""
     rows = start_m + offs_m
     if USE_TMA:
         q = desc_q.load([q_row + start_m, q_col])
@@ -417,31 +415,22 @@ def _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, dqa_ptrs, desc_q, desc_do, desc_dq
         p_t = tl.where(keep & (rows[None, :] < seqlen_q), p_t, 0.0)
     dv = _dot(_cast(p_t, do.dtype, EMU_BF16), do, dv, DOT_PREC, EMU_BF16)
     dp_t = _dot(v, tl.trans(do), None, DOT_PREC, EMU_BF16)
-    ds_t = _cast(p_t * (dp_t - delta[None, :]), q.dtype, EMU_BF16)
-    dk = _dot(ds_t, q, dk, DOT_PREC, EMU_BF16)
-    if FUSED_DQ:
-        dq = _dot(tl.trans(ds_t), k, None, DOT_PREC, EMU_BF16) * softmax_scale
-        if USE_TMA and _DESC_REDUCE:
-            desc_dqa.atomic_add([q_row + start_m, q_col], dq)
-        else:
-            tl.atomic_add(dqa_ptrs, dq, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
-                          sem="relaxed")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(_cast(ds_t, q.dtype, EMU_BF16), q, dk, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa, q_row,
-                 h0, group, sqs, sqh, sds, sdh, sas, sah, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k,
-                 off, left, right, qk_scale, softmax_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                 HAS_RIGHT: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, FUSED_DQ: tl.constexpr, USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr,
-                 EMU_BF16: tl.constexpr):
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                 sqs, sqh, sds, sdh, slh, kpos, offs_m, offs_d, lo, hi, seqlen_q, seqlen_k, off, left, right,
+                 qk_scale, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 USE_TMA: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi) of query head h0 or, with GQA, of each of the
     group's heads h0 .. h0 + group - 1: one flat loop over (head, block) pairs, never a loop around loops
     (that keeps the accumulators in registers: nested loops made ptxas spill them)."""
     q_offs = offs_m[:, None] * sqs + offs_d[None, :]
     do_offs = offs_m[:, None] * sds + offs_d[None, :]
-    a_offs = offs_m[:, None] * sas + offs_d[None, :]
     if GQA:
         n_blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
         for it in tl.range(0, n_blocks * group):
@@ -450,34 +439,31 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, d
             g64 = g.to(tl.int64)
             sm64 = tl.cast(start_m, tl.int64)
             dk, dv = _dkdv_step(dk, dv, k, v, q_base + g64 * sqh + sm64 * sqs + q_offs,
-                                do_base + g64 * sdh + sm64 * sds + do_offs, dqa_base + g64 * sah + sm64 * sas + a_offs,
-                                desc_q, desc_do, desc_dqa, q_row, (h0 + g) * HEAD_DIM, LSE2 + l_base + g64 * slh,
-                                DELTA + l_base + g64 * slh, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off,
-                                left, right, qk_scale, softmax_scale, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM,
-                                BLOCK_D, FUSED_DQ, USE_TMA, DOT_PREC, EMU_BF16)
+                                do_base + g64 * sdh + sm64 * sds + do_offs, desc_q, desc_do, q_row,
+                                (h0 + g) * HEAD_DIM, LSE2 + l_base + g64 * slh, DELTA + l_base + g64 * slh,
+                                start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     else:
         for start_m in tl.range(lo, hi, BLOCK_M):
             sm64 = tl.cast(start_m, tl.int64)
             dk, dv = _dkdv_step(dk, dv, k, v, q_base + sm64 * sqs + q_offs, do_base + sm64 * sds + do_offs,
-                                dqa_base + sm64 * sas + a_offs, desc_q, desc_do, desc_dqa, q_row, h0 * HEAD_DIM,
-                                LSE2 + l_base, DELTA + l_base, start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k,
-                                off, left, right, qk_scale, softmax_scale, MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM,
-                                BLOCK_D, FUSED_DQ, USE_TMA, DOT_PREC, EMU_BF16)
+                                desc_q, desc_do, q_row, h0 * HEAD_DIM, LSE2 + l_base, DELTA + l_base,
+                                start_m, kpos, offs_m, offs_d, seqlen_q, seqlen_k, off, left, right, qk_scale,
+                                MASKED, HAS_LEFT, HAS_RIGHT, HEAD_DIM, BLOCK_D, USE_TMA, DOT_PREC, EMU_BF16)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQA, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do, desc_dqa,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-                   sgb, sgs, sgh, sab, sas, sah, slb, slh,
+                   sgb, sgs, sgh, slb, slh,
                    seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr,
-                   FUSED_DQ: tl.constexpr, DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
+                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
-    blocks are seen by the most causal queries: they go first. FUSED_DQ: dQ * scale is added into DQA
-    (fp32, zeroed, strides sa*) as well, and no dQ kernel runs."""
+    blocks are seen by the most causal queries: they go first."""
     n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
@@ -499,33 +485,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, DQA, LSE2, DELTA, CU, desc_q, desc_k, de
     first = n0
     last = tl.minimum(n0 + BLOCK_N, sk) - 1
     lo, inner_lo, inner_hi, hi = _query_range(first, last, sq, off, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M)
-    if FUSED_DQ and USE_TMA:
-        # A descriptor tile past the sequence's end holds the next one's keys. Their dK, dV rows are never
-        # stored, but in the unmasked phase their dS K would reach dQ: this block runs masked throughout.
-        # (Pointer loads read those keys as zeros, which add nothing.)
-        ragged = n0 + BLOCK_N > sk
-        inner_lo = tl.where(ragged, lo, inner_lo)
-        inner_hi = tl.where(ragged, lo, inner_hi)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     q_row = b * rows_q + start
     q_base = Q + b64 * sqb + start64 * sqs + h64 * sqh
     do_base = DO + b64 * sdb + start64 * sds + h64 * sdh
-    dqa_base = DQA + b64 * sab + start64 * sas + h64 * sah
     l_base = b64 * slb + h64 * slh + start64
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa,
-                          q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m, offs_d, inner_lo,
-                          inner_hi, sq, sk, off, left, right, qk_scale, softmax_scale, False, HAS_LEFT, HAS_RIGHT,
-                          GQA, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ, USE_TMA, DOT_PREC, EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_lo, inner_hi, sq, sk, off,
+                          left, right, qk_scale, False, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     if HAS_RIGHT:
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do,
-                              desc_dqa, q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m, offs_d,
-                              lo, inner_lo, sq, sk, off, left, right, qk_scale, softmax_scale, True, HAS_LEFT,
-                              HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ, USE_TMA, DOT_PREC, EMU_BF16)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dqa_base, l_base, LSE2, DELTA, desc_q, desc_do, desc_dqa,
-                          q_row, h0, group, sqs, sqh, sds, sdh, sas, sah, slh, offs_n, offs_m, offs_d, inner_hi, hi,
-                          sq, sk, off, left, right, qk_scale, softmax_scale, True, HAS_LEFT, HAS_RIGHT, GQA,
-                          HEAD_DIM, BLOCK_D, BLOCK_M, FUSED_DQ, USE_TMA, DOT_PREC, EMU_BF16)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0,
+                              group, sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, lo, inner_lo, sq, sk, off,
+                              left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                              USE_TMA, DOT_PREC, EMU_BF16)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, desc_do, q_row, h0, group,
+                          sqs, sqh, sds, sdh, slh, offs_n, offs_m, offs_d, inner_hi, hi, sq, sk, off,
+                          left, right, qk_scale, True, HAS_LEFT, HAS_RIGHT, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                          USE_TMA, DOT_PREC, EMU_BF16)
     dk = dk * softmax_scale
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
@@ -638,11 +616,6 @@ CONFIGS = {
     "dkdv": {64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
              128: [(64, 64, 4, 2, "tma"), (32, 64, 4, 3), (32, 128, 8, 3), (32, 64, 4, 4)],
              256: [(16, 64, 8, 2, "tma"), (32, 32, 8, 2, "ptr"), (16, 32, 4, 2, "ptr")]},
-    # dK/dV with dQ fused (its dS K tile and accumulator on top): the builds without spills at head_dim 64
-    # and 128 (Triton 3.6, sm_90), the fewest spills found after them
-    "dkdv_dq": {64: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3)],
-                128: [(64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 4, 2)],
-                256: [(16, 64, 8, 2, "tma"), (32, 32, 8, 2, "ptr"), (16, 32, 4, 2, "ptr")]},
     "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)],
            128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2, "tma")],
            256: [(64, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2, "tma")]},
@@ -650,7 +623,7 @@ CONFIGS = {
 # The tuner's timing of a candidate: as the benchmark's (shared/BENCH.md), so a config whose clocks drop
 # under sustained load is timed at the speed it keeps (see the module docstring).
 TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100
-_INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dkdv_dq": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+_INTERPRET_CONFIG = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dims 1 and 2 (heads, batch); a larger batch is launched in chunks
 
 
@@ -697,8 +670,6 @@ class _Kernel:
         self.failed = {}   # key -> NoConfigError
         self.timings = {}  # key -> {config: ms, or the error it raised, or None when untimed}
         self.described = {}  # key -> its fields by name, for tuning_report()
-        self.keyed_launches = 0   # launches through launch() (a key's first calls, tuning): a kernel that
-                                  # accumulates into its output reruns after a call that launched it twice
 
     def candidates(self, block_d, use_tma):
         if _INTERPRET:
@@ -712,7 +683,6 @@ class _Kernel:
 
     def launch(self, cfg, grid, args, consts):
         bm, bn, warps, stages = cfg
-        self.keyed_launches += 1
         self.launcher(grid(bm, bn), *args(bm, bn), **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                       num_stages=stages)
 
@@ -768,9 +738,8 @@ class _Kernel:
 
 _FWD = _Kernel("fwd", _attn_fwd)
 _DKDV = _Kernel("dkdv", _attn_bwd_dkdv)
-_DKDV_DQ = _Kernel("dkdv_dq", _attn_bwd_dkdv)   # the same kernel with FUSED_DQ: its own tiles (more registers)
 _DQ = _Kernel("dq", _attn_bwd_dq)
-_KERNELS = (_FWD, _DKDV, _DKDV_DQ, _DQ)
+_KERNELS = (_FWD, _DKDV, _DQ)
 fallbacks: list = []  # (kernel, key, error) each time the descriptor path gave way to pointer loads
 
 
@@ -908,11 +877,6 @@ def _tile_descriptors(use_tma, packed, bm, bn, q, k, v, dout=None):
         return (None,) * n
     descs = (_descriptor(q, packed, bm), _descriptor(k, packed, bn), _descriptor(v, packed, bn))
     return descs if dout is None else descs + (_descriptor(dout, packed, bm),)
-
-
-def _accumulator_descriptor(use_tma, fused, packed, bm, dqa):
-    """The dK/dV kernel's descriptor of the fp32 dQ accumulator (query tiles), when it has one."""
-    return _descriptor(dqa, packed, bm) if use_tma and fused and _DESC_REDUCE else None
 
 
 def _lse_strides(heads, seqlen_q, total, packed):
@@ -1095,22 +1059,21 @@ def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, tota
     return lse2, delta
 
 
-def _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads, fused):
+def _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads):
     """_forward_signature's counterpart for a padded-batch backward: every tensor's shape, strides, dtype and
-    16-byte alignment (the gradients' too when they are given views), the mask, the scale, the TMA switch
-    and whether dQ is fused."""
+    16-byte alignment (the gradients' too when they are given views), the mask, the scale, the TMA switch."""
     tensors = (dout, q, k, v, out, lse) + ((dlse,) if dlse is not None else ()) + (grads or ())
     return (tuple((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors), dlse is None,
-            grads is None, q.device, softmax_scale, left, right, os.environ.get("TILEWISE_ATTN_TMA"), fused)
+            grads is None, q.device, softmax_scale, left, right, os.environ.get("TILEWISE_ATTN_TMA"))
 
 
-def _backward_plan(record, dout_in, lse_in, dlse_in, fused):
-    """The backward of one call signature as direct launches, from the keyed path's `record`: each launch's
-    (launcher, grid, arguments), the kernels' as (kernel, key, use_tma, args(bm, bn, use_tma, b0),
-    grid(bm, bn, nb), how many arguments precede the scalars): the dK/dV kernel and, unless `fused`, the dQ
-    kernel. None or False as _forward_plan's. The tensors change per call; everything else (the copies the
-    keyed path made of dout, lse and dlse included) is fixed by the signature."""
-    if len(record) != (2 if fused else 3):
+def _backward_plan(record, dout_in, lse_in, dlse_in):
+    """The backward of one call signature as three direct launches, from the keyed path's `record`: each
+    launch's (launcher, grid, arguments), the kernels' as (kernel, key, use_tma, args(bm, bn, use_tma, b0),
+    grid(bm, bn, nb), how many arguments precede the scalars). None or False as _forward_plan's. The tensors
+    change per call; everything else (the copies the keyed path made of dout, lse and dlse included) is fixed
+    by the signature."""
+    if len(record) != 3:
         return None
     (prep, prep_grid, prep_args), *kernels = record
     launches = [_direct_launch(*kernel) for kernel in kernels]
@@ -1125,11 +1088,8 @@ def _backward_plan(record, dout_in, lse_in, dlse_in, fused):
     dout_for_kernels = kernels[0][3](0, 0, False, 0)[3]
     dout_recopied = dout_for_kernels is not prep_args[1]
     prep_scalars = prep_args[7:]
-    dkdv, dkdv_grid, dkdv_scalars, bm1, bn1 = launches[0]
-    tma1 = kernels[0][2]
-    if not fused:
-        dq_launch, dq_grid, dq_scalars, bm2, bn2 = launches[1]
-        tma2 = kernels[1][2]
+    (dkdv, dkdv_grid, dkdv_scalars, bm1, bn1), (dq_launch, dq_grid, dq_scalars, bm2, bn2) = launches
+    tma1, tma2 = kernels[0][2], kernels[1][2]
 
     def backward(dout, q, k, v, out, lse, dlse, grads):
         dq, dk, dv = (_new(t.shape, t.dtype, t.device) for t in (q, k, v)) if grads is None else grads
@@ -1142,30 +1102,22 @@ def _backward_plan(record, dout_in, lse_in, dlse_in, fused):
         prep_direct(prep_grid, out, dout, dlse_arg, lse, lse2, delta, None, *prep_scalars)
         if dout_recopied:
             dout = dout.contiguous()
-        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else dk
-        dkdv(dkdv_grid, q, k, v, dout, dk, dv, dqa, lse2, delta, None,
-             *_tile_descriptors(tma1, False, bm1, bn1, q, k, v, dout),
-             _accumulator_descriptor(tma1, fused, False, bm1, dqa), *dkdv_scalars)
-        if fused:
-            dq.copy_(dqa)
-        else:
-            dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None,
-                      *_tile_descriptors(tma2, False, bm2, bn2, q, k, v, dout), *dq_scalars)
+        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None,
+             *_tile_descriptors(tma1, False, bm1, bn1, q, k, v, dout), *dkdv_scalars)
+        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None,
+                  *_tile_descriptors(tma2, False, bm2, bn2, q, k, v, dout), *dq_scalars)
         return dq, dk, dv
     return backward
 
 
 def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                   deterministic=False, grads=None):
+                   grads=None):
     """dQ, dK, dV in the input dtype: contiguous, or written into `grads`, three views of one gradient (the
-    packed path; dK and dV share their strides). By default the dK/dV kernel also adds each tile's dQ share
-    into an fp32 accumulator, converted once at the end; deterministic=True runs the dQ kernel instead
-    (bitwise repeatable). A padded batch's call signature seen before launches through its plan
-    (_backward_plan), as the forward does."""
-    fused = not deterministic
+    packed path; dK and dV share their strides). A padded batch's call signature seen before launches through
+    its plan (_backward_plan), as the forward does."""
     sig = None
     if cu_seqlens is None:
-        sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads, fused)
+        sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads)
         plan = _DQ.plans.get(sig)
         if plan:
             return plan(dout, q, k, v, out, lse, dlse, grads)
@@ -1203,35 +1155,23 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     def descs(bm, bn, use_tma):
         return _tile_descriptors(use_tma, packed, bm, bn, q, k, v, dout)
 
-    # the fused kernel's dQ accumulator (dK stands in for it, never touched, in the dQ kernel's company)
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else dk
-    dkdv = _DKDV_DQ if fused else _DKDV
-    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *_seq_strides(dqa, packed), *lse_strides, *tail)
-    dkdv_consts = {**consts, "GQA": group > 1, "FUSED_DQ": fused}
+    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
+    dkdv_consts = {**consts, "GQA": group > 1}
     dkdv_key = (bucket, q.dtype, *dkdv_consts.values())
     dkdv_grid = lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb)  # noqa: E731
-    dkdv_tensors = (q, k, v, dout, dk, dv, dqa, lse2, delta, cu)
-    dkdv_args = lambda bm, bn, use_tma, b0: (*dkdv_tensors, *descs(bm, bn, use_tma),  # noqa: E731
-                                             _accumulator_descriptor(use_tma, fused, packed, bm, dqa),
-                                             *dkdv_scalars, b0)
-    launched = dkdv.keyed_launches
-    dkdv_tma = _run(dkdv, tma, dkdv_key, batch, dkdv_grid, dkdv_args, dkdv_consts)
-    if fused and dkdv.keyed_launches - launched > 1:   # tuned (or chunked) just now: each launch added dQ
-        dqa.zero_()
-        dkdv_tma = _run(dkdv, tma, dkdv_key, batch, dkdv_grid, dkdv_args, dkdv_consts)
-    record_kernels = [(dkdv, dkdv_key, dkdv_tma, dkdv_args, dkdv_grid, len(dkdv_tensors) + 5)]   # + 5 descriptors
-    if fused:
-        dq.copy_(dqa)
-    else:
-        dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
-        dq_key = (bucket, q.dtype, *consts.values())
-        dq_grid = lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb)  # noqa: E731
-        dq_tensors = (q, k, v, dout, dq, lse2, delta, cu)
-        dq_args = lambda bm, bn, use_tma, b0: (*dq_tensors, *descs(bm, bn, use_tma), *dq_scalars, b0)  # noqa: E731
-        dq_tma = _run(_DQ, tma, dq_key, batch, dq_grid, dq_args, consts)
-        record_kernels.append((_DQ, dq_key, dq_tma, dq_args, dq_grid, len(dq_tensors) + 4))   # + 4 descriptors
+    dkdv_tensors = (q, k, v, dout, dk, dv, lse2, delta, cu)
+    dkdv_args = lambda bm, bn, use_tma, b0: (*dkdv_tensors, *descs(bm, bn, use_tma), *dkdv_scalars, b0)  # noqa: E731
+    dkdv_tma = _run(_DKDV, tma, dkdv_key, batch, dkdv_grid, dkdv_args, dkdv_consts)
+    dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
+    dq_key = (bucket, q.dtype, *consts.values())
+    dq_grid = lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb)  # noqa: E731
+    dq_tensors = (q, k, v, dout, dq, lse2, delta, cu)
+    dq_args = lambda bm, bn, use_tma, b0: (*dq_tensors, *descs(bm, bn, use_tma), *dq_scalars, b0)  # noqa: E731
+    dq_tma = _run(_DQ, tma, dq_key, batch, dq_grid, dq_args, consts)
     if sig is not None and sig not in _DQ.plans and batch <= _MAX_GRID_YZ and len(_DQ.plans) < _MAX_PLANS:
-        plan = _backward_plan(record + record_kernels, dout_in, lse, dlse, fused)
+        record += [(_DKDV, dkdv_key, dkdv_tma, dkdv_args, dkdv_grid, len(dkdv_tensors) + 4),   # + 4 descriptors
+                   (_DQ, dq_key, dq_tma, dq_args, dq_grid, len(dq_tensors) + 4)]
+        plan = _backward_plan(record, dout_in, lse, dlse)
         if plan is not None:
             _DQ.plans[sig] = plan
     return dq, dk, dv
@@ -1243,13 +1183,13 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
 
 @torch.library.custom_op("tilewise::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                    max_seqlen: int, softmax_scale: float, left: int, right: int, deterministic: bool
+                    max_seqlen: int, softmax_scale: float, left: int, right: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     return _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
 
 
 @_flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     heads = q.shape[-2]
     lse_shape = (heads, q.shape[0]) if cu_seqlens is not None else (q.shape[0], heads, q.shape[1])
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -1258,15 +1198,13 @@ def _flash_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, r
 @torch.library.custom_op("tilewise::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                    max_seqlen: int, softmax_scale: float, left: int, right: int, deterministic: bool
+                    max_seqlen: int, softmax_scale: float, left: int, right: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                          deterministic)
+    return _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right)
 
 
 @_flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                         deterministic):
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -1278,10 +1216,9 @@ class FlashAttnFunction(torch.autograd.Function):
     two opaque ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
-        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic),
-                       (out, lse))
+        _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right), (out, lse))
         return out, lse
 
     @staticmethod
@@ -1290,10 +1227,10 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic = inputs
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.args = (max_seqlen, softmax_scale, left, right, deterministic)
+    ctx.args = (max_seqlen, softmax_scale, left, right)
 
 
 def _backward(ctx, dout, dlse, impl):
@@ -1301,7 +1238,7 @@ def _backward(ctx, dout, dlse, impl):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = impl(dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 class FlashAttnQKVFunction(torch.autograd.Function):
@@ -1310,23 +1247,23 @@ class FlashAttnQKVFunction(torch.autograd.Function):
     split views would cost a concatenation (a read and a write of the whole gradient)."""
 
     @staticmethod
-    def forward(ctx, qkv, heads_kv, cu_seqlens, max_seqlen, softmax_scale, left, right, deterministic):
+    def forward(ctx, qkv, heads_kv, cu_seqlens, max_seqlen, softmax_scale, left, right):
         q, k, v = _split_qkv(qkv, heads_kv)
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
         ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-        ctx.args = (heads_kv, max_seqlen, softmax_scale, left, right, deterministic)
+        ctx.args = (heads_kv, max_seqlen, softmax_scale, left, right)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         qkv, out, lse, cu_seqlens = ctx.saved_tensors
-        heads_kv, max_seqlen, softmax_scale, left, right, deterministic = ctx.args
+        heads_kv, max_seqlen, softmax_scale, left, right = ctx.args
         if dout is None:
             dout = torch.zeros_like(out)
         dqkv = _new(qkv.shape, qkv.dtype, qkv.device)
         _attn_backward(dout, *_split_qkv(qkv, heads_kv), out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale,
-                       left, right, grads=_split_qkv(dqkv, heads_kv), deterministic=deterministic)
-        return dqkv, None, None, None, None, None, None, None
+                       left, right, grads=_split_qkv(dqkv, heads_kv))
+        return dqkv, None, None, None, None, None, None
 
 
 def _split_qkv(qkv, heads_kv):
@@ -1394,7 +1331,7 @@ def check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="fl
 
 
 def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
-                        max_seqlen=None, return_lse=False, deterministic=False):
+                        max_seqlen=None, return_lse=False):
     """flash_attention(q, k, v) for q, k, v = qkv.split([heads_q, heads_kv, heads_kv], dim=-2): qkv is
     (batch, seqlen, heads_q + 2 * heads_kv, head_dim), or (total_tokens, ...) with cu_seqlens. The gradient
     reaches qkv as one tensor (see FlashAttnQKVFunction); the other options are flash_attention's."""
@@ -1410,13 +1347,11 @@ def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, wind
     if not (use_triton(qkv) and qkv.dtype != torch.float64) or torch.compiler.is_compiling():
         # the reference, or the custom op under torch.compile (which plans the gradient's layout itself)
         return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse,
-                               deterministic=deterministic)
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1])
     out, lse = FlashAttnQKVFunction.apply(qkv, heads_kv,
-                                          *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen),
-                                          bool(deterministic))
+                                          *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen))
     return (out, lse) if return_lse else out
 
 
@@ -1440,15 +1375,14 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=None, c
                     max_seqlen=None, return_lse=False, deterministic=False):
     """Attention over q, k, v (layout in the module docstring); returns out, or (out, lse).
 
-    The backward adds dQ from the dK/dV kernel's tiles into an fp32 accumulator (the order of those adds
-    varies from run to run, within fp32 rounding); deterministic=True gives dQ its own kernel instead,
-    bitwise repeatable and slower. With cu_seqlens under torch.compile, pass max_seqlen (an int).
+    Gradients are always deterministic (dQ has its own kernel, no atomics); `deterministic` is accepted
+    for flash-attn compatibility. With cu_seqlens under torch.compile, pass max_seqlen (an int).
     """
     check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q) and q.dtype != torch.float64:
-        args = (q, k, v, *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen), bool(deterministic))
+        args = (q, k, v, *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen))
         if torch.compiler.is_compiling():
             out, lse = torch.ops.tilewise.flash_attn_fwd(*args)
         else:
