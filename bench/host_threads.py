@@ -17,7 +17,10 @@ Function.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -169,8 +172,36 @@ def main():
             return grad
     both_threads("launching Function (2 launches)", lambda: torch.autograd.backward(Launching.apply(t), t.detach()),
                  (t,), rows)
+    # where the op's own Python goes: cProfile of the stubbed 32768 x 1024 case on the calling thread
+    m, n = 32768, 1024
+    x, r = (torch.randn(m, n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+    dy, dh = torch.randn(m, n, device=dev, dtype=bf), torch.randn(m, n, device=dev, dtype=bf)
+
+    def op():
+        y, h = ops.add_dropout_norm(x, r, w, b)
+        torch.autograd.backward((y, h), (dy, dh))
+    real_direct = launch.BoundLauncher.direct
+    norm._CALLS.clear()
+    launch.BoundLauncher.direct = lambda self, a: (lambda grid, *rest: None)
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            for _ in range(20):
+                op()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(CALLS):
+                for t in (x, r, w, b):
+                    t.grad = None
+                op()
+            prof.disable()
+    finally:
+        launch.BoundLauncher.direct = real_direct
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    print(buf.getvalue())
     write_result({"area": "host_threads", **environment(), "unit": "us per forward+backward", "calls": CALLS,
-                  "rows": rows}, "host_threads.json", [args.out])
+                  "rows": rows, "profile_stubbed_calling_thread": buf.getvalue()}, "host_threads.json", [args.out])
 
 
 if __name__ == "__main__":
