@@ -16,10 +16,11 @@ Flash attention: the N x N scores never reach HBM.
   delta = rowsum(dO * O) - dLSE and lse2; one kernel per key block accumulates dK and dV over the query
   blocks (with GQA, over the query blocks of every head of its group, in one flat loop); one kernel per
   query block accumulates dQ over the key blocks. No atomics anywhere, so gradients are bitwise repeatable
-  whatever `deterministic` says. (dQ fused into the dK/dV kernel instead, each tile's dS K added into an fp32
-  accumulator by a TMA reduce as FlashAttention-2/3 do, measured slower on the H200 (dc58f8d, 701f54a): at head_dim
-  128 1.21 against 0.98 ms for N=2048 causal, 20.7 against 12.6 ms for N=16384 non-causal; even at head_dim
-  64. The added time is about what 1.3 TB/s of fp32 reduce traffic takes.)
+  whatever `deterministic` says. (dQ fused into the dK/dV kernel instead, each tile's dS K added into an
+  fp32 accumulator by a TMA reduce as FlashAttention-2/3 do, was tried twice, dc58f8d and 701f54a, and
+  measured slower on the H200: at head_dim 128 1.21 against 0.98 ms for N=2048 causal and 20.7 against
+  12.6 ms for N=16384 non-causal, no faster at head_dim 64. The added time matches about 1.3 TB/s of fp32
+  reduce traffic.)
 - Bytes: forward reads Q and writes O once (plus 4 bytes of LSE per row) and reads K, V once per query
   block, mostly from L2; backward reads Q, K, V, O, dO and writes dQ, dK, dV, re-reading per block in the
   same way. Memory is O(N): no N x N tensor is kept.
