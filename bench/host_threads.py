@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 from common import environment, write_result  # noqa: E402
+from host_overhead import host_us  # noqa: E402
 
 from tilewise import ops  # noqa: E402
 from tilewise.ops import launch, norm  # noqa: E402
@@ -39,21 +40,13 @@ from tilewise.ops import launch, norm  # noqa: E402
 CALLS = 200
 
 
-def timed(fn, leaves, calls=CALLS, repeats=3):
-    """Best mean us per call of `calls` calls, grads reset each call, synchronized once per batch."""
-    for _ in range(10):
+def timed(fn, leaves):
+    """host_overhead.host_us of fn with the leaves' grads reset before each call."""
+    def call():
+        for t in leaves:
+            t.grad = None
         fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            for t in leaves:
-                t.grad = None
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return round(best, 1)
+    return host_us(call, calls=CALLS)
 
 
 class BodyClock:
