@@ -4,14 +4,16 @@ bench/fused.py's forward+backward rows at 32768 x 1024 are host-bound under do_b
 autograd's CUDA worker thread (0.43 ms against 0.20 on the calling thread and 0.17 on the GPU alone, at
 6e32b9c). This script splits the op's host time: each case runs 200 forward+backward calls back to back
 (CUDA synchronized once), on the worker thread and on the calling thread, and the norm op's own backward
-body is timed from inside (perf_counter around AddDropoutNorm.backward), so the handoff and the body
+body is timed from inside (perf_counter around its Functions' backward), so the handoff and the body
 separate. At 9bc6c82: 379 against 306 us a call, of which the body 84 against 71 us; a no-work Function
 135 against 78 us, so the worker thread's extra is mostly the engine's handoff.
 
 Cases: the norm op at a tiny shape and at 32768 x 1024 (LayerNorm, bf16); the same with its kernel launches
 replaced by no-ops (what launching costs); a Function whose backward only allocates the op's outputs; a
 Function whose backward only launches the op's two backward kernels' worth of a tiny kernel; the no-work
-Function.
+Function. First, launch_costs: what one direct launch costs with tensors, with data_ptr ints, and through
+Triton 3.6's C entry point, beside a CUDA torch.empty, Function.apply against its C base and check_norm_args
+(at 3792021: 16.1, 12.3 and 6.7 us for the backward row kernel, 5.5, 12.0 against 7.2, and 5.0 us).
 
     PYTHONPATH=src python3 bench/host_threads.py --out DIR
 """
@@ -50,25 +52,26 @@ def timed(fn, leaves):
 
 
 class BodyClock:
-    """Wraps AddDropoutNorm.backward: the median us spent inside it per call, wherever it runs (a median, so
-    that a first call's compile does not count)."""
+    """Wraps the norm op's backward (AddDropoutNorm's and PreparedAddDropoutNorm's): the median us spent
+    inside it per call, wherever it runs (a median, so that a first call's compile does not count)."""
+    FUNCTIONS = (norm.AddDropoutNorm, norm.PreparedAddDropoutNorm)
 
     def __init__(self):
-        self.times, self.orig = [], norm.AddDropoutNorm.backward
+        self.times, self.origs = [], [f.backward for f in self.FUNCTIONS]
 
     def __enter__(self):
-        orig = self.orig
-
-        def backward(ctx, dy, dh):
-            t0 = time.perf_counter()
-            out = orig(ctx, dy, dh)
-            self.times.append(time.perf_counter() - t0)
-            return out
-        norm.AddDropoutNorm.backward = staticmethod(backward)
+        for function, orig in zip(self.FUNCTIONS, self.origs):
+            def backward(ctx, dy, dh, orig=orig):
+                t0 = time.perf_counter()
+                out = orig(ctx, dy, dh)
+                self.times.append(time.perf_counter() - t0)
+                return out
+            function.backward = staticmethod(backward)
         return self
 
     def __exit__(self, *exc):
-        norm.AddDropoutNorm.backward = staticmethod(self.orig)
+        for function, orig in zip(self.FUNCTIONS, self.origs):
+            function.backward = staticmethod(orig)
 
     def us(self):
         return round(statistics.median(self.times) * 1e6, 1) if self.times else None
@@ -88,12 +91,80 @@ def both_threads(name, fn, leaves, rows, clock=False):
     print(row, flush=True)
 
 
+def launch_costs(rows):
+    """What one direct launch and its neighbours cost on this host, on the calling thread, at shapes small
+    enough that the GPU never waits: the backward row kernel (9 pointers) and the partial sums (3) with
+    tensors as arguments, with their data_ptr() ints (Triton's C launcher then skips a data_ptr call and a
+    cuPointerGetAttribute per pointer), and through the compiled launcher's C entry point (Triton 3.6,
+    skipping CudaLauncher.__call__); a CUDA torch.empty; Function.apply against its C base."""
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    m, n = 256, 1024
+    h, dy, dh = (torch.randn(m, n, device=dev, dtype=bf) for _ in range(3))
+    w = torch.randn(n, device=dev, dtype=bf)
+    stats = torch.randn(2, m, device=dev)
+    norm._backward(dy, dh, h, w, stats, False, 0.0, 0, bf, bf, bf)        # plans and compiles
+    key = (False, h.device, n, False, False, False, bf, 0.0, bf, bf, bf, bf, bf, None)
+    plan = norm._PLANS.get(key) or next(v for k, v in norm._PLANS.items() if k[0] is False and k[2] == n)
+    programs = norm.launch_programs(plan.per_wave, plan.cfg.waves, norm._cdiv(m, plan.cfg.block_m))
+    dx = torch.empty_like(h)
+    part = torch.empty((2, programs, n), device=dev)
+    dw, db = torch.empty(n, device=dev, dtype=bf), torch.empty(n, device=dev, dtype=bf)
+    bwd_args = (dy, dh, h, w, stats, stats, dx, dx, part, m, n, norm._cdiv(m, plan.cfg.block_m), 0, 0, 1.0)
+    sums_args = (part, dw, db, programs, n)
+    cases = (("bwd kernel", plan.launch, (programs, 1), bwd_args),
+             ("partial sums", norm._sum_partials, (norm._cdiv(n, norm._SUM_COLUMNS), 2), sums_args))
+    for name, bound, grid, args in cases:
+        bound(grid, *args)
+        direct = bound.direct(args)
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        compiled = bound.launcher.launch(grid, args, bound.meta, bound.meta_key)
+        entry = next(e for e in bound.launcher._entries.values() if getattr(e, "compiled", None) is compiled)
+        row = {"case": f"{name}: direct launch, tensors", "calling_us": host_us(lambda: direct(grid, *args))}
+        rows.append(row)
+        rows.append({"case": f"{name}: direct launch, data_ptr ints",
+                     "calling_us": host_us(lambda: direct(grid, *ints))})
+        run = entry.run
+        if hasattr(run, "launch") and not run.global_scratch_size and not run.profile_scratch_size:
+            c_launch, stream = run.launch, torch.cuda.current_stream().cuda_stream
+            extra = (run.launch_cooperative_grid, run.launch_pdl, None, None, entry.packed_metadata, None, None,
+                     None)
+            g = tuple(grid) + (1,) * (3 - len(grid))
+
+            def raw():
+                c_launch(g[0], g[1], g[2], stream, entry.function, *extra, *ints, *entry.tail)
+            rows.append({"case": f"{name}: C launch, data_ptr ints", "calling_us": host_us(raw)})
+            rows.append({"case": f"{name}: tensors to ints (Python)",
+                         "calling_us": host_us(lambda: tuple([a.data_ptr() if a.__class__ is torch.Tensor else a
+                                                              for a in args]))})
+    rows.append({"case": "torch.empty 32768x1024 bf16",
+                 "calling_us": host_us(lambda: torch.empty((32768, 1024), dtype=bf, device=dev))})
+
+    class Passing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, a, b, c):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None, None
+    c_apply = super(torch.autograd.Function, Passing).apply
+    t = torch.randn(8, device=dev)
+    rows.append({"case": "Function.apply (4 args, no grad)", "calling_us": host_us(lambda: Passing.apply(t, w, w, 1))})
+    rows.append({"case": "C apply (4 args, no grad)", "calling_us": host_us(lambda: c_apply(t, w, w, 1))})
+    x, r = (torch.randn(32768, 1024, device=dev, dtype=bf) for _ in range(2))
+    rows.append({"case": "check_norm_args", "calling_us": host_us(
+        lambda: norm.check_norm_args(x, r, w, w, "layernorm", 0.0, None))})
+    for row in rows[-12:]:
+        print(row, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
     rows = []
+    launch_costs(rows)
     for m, n in ((256, 768), (32768, 1024)):
         x, r = (torch.randn(m, n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
         w, b = (torch.randn(n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
@@ -106,16 +177,18 @@ def main():
         both_threads(f"norm {m}x{n}", op, leaves, rows, clock=True)
 
         # the launches as no-ops: new plans whose direct launches do nothing (the keyed first calls run)
-        saved = dict(norm._CALLS)
+        saved = dict(norm._CALLS), dict(norm._PREPARED)
         real_direct = launch.BoundLauncher.direct
         try:
             norm._CALLS.clear()
+            norm._PREPARED.clear()
             launch.BoundLauncher.direct = lambda self, a: (lambda grid, *rest: None)
             both_threads(f"norm {m}x{n}, launches stubbed", op, leaves, rows, clock=True)
         finally:
             launch.BoundLauncher.direct = real_direct
-            norm._CALLS.clear()
-            norm._CALLS.update(saved)
+            for table, old in zip((norm._CALLS, norm._PREPARED), saved):
+                table.clear()
+                table.update(old)
 
         class Allocating(torch.autograd.Function):
             """The op's outputs and gradients allocated, nothing launched."""
@@ -178,6 +251,7 @@ def main():
         torch.autograd.backward((y, h), (dy, dh))
     real_direct = launch.BoundLauncher.direct
     norm._CALLS.clear()
+    norm._PREPARED.clear()
     launch.BoundLauncher.direct = lambda self, a: (lambda grid, *rest: None)
     try:
         with torch.autograd.set_multithreading_enabled(False):

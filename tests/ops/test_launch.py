@@ -243,6 +243,61 @@ def test_direct_launch_takes_the_keyed_path_when(fake, how, monkeypatch):
     assert [c[0] for c in fake.calls] == ["normal", "normal"]
 
 
+def _c_launcher_module(fmt):
+    """A stand-in for Triton 3.6's CUDA driver module: its argument format and a CudaLauncher-like class
+    whose C entry point records its calls."""
+    import types
+    module = types.ModuleType("fake_triton_cuda_driver")
+    module._BASE_ARGS_FORMAT = fmt
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self, calls):
+            self.calls = calls
+
+        def launch(self, *args):
+            self.calls.append(("c", args))
+
+        def __call__(self, *args):
+            self.calls.append(("python", args))
+    CudaLauncher.__module__ = module.__name__
+    module.CudaLauncher = CudaLauncher
+    sys.modules[module.__name__] = module
+    return module
+
+
+@pytest.mark.parametrize("fmt", ["iiiKKppOOOOOO", "iiiKKOOOOO"])
+def test_c_entry_point_gets_what_cudalauncher_call_would_pass(fake, fmt):
+    """A 3.6-style CudaLauncher without scratch buffers is called at its C entry point, with the flags and
+    empty scratch arguments its __call__ adds; an unknown argument format keeps the launcher's __call__."""
+    module = _c_launcher_module(fmt)
+    try:
+        c_calls = []
+        runner = module.CudaLauncher(c_calls)
+        fake.launcher((1,), *tensors(), 64, 0.5, True, BLOCK=32)
+        compiled = next(iter(fake.launcher._entries.values())).compiled
+        compiled.run = runner
+        fake.launcher._entries.clear()
+        x, y = tensors()
+        bound = fake.launcher.bind(BLOCK=32)
+        bound((1,), x, y, 64, 0.5, True)            # keyed again: the entry now wraps runner
+        direct = bound.direct((x, y, 64, 0.5, True))
+        bound((2, 3), x, y, 64, 0.5, True)
+        direct((5,), x, y, 32, 0.25, False)
+        if fmt == "iiiKKppOOOOOO":
+            assert c_calls == [("c", (2, 3, 1, 777, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                      x, y, 64, 0.5, True, 32, 3)),
+                               ("c", (5, 1, 1, 777, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                      x, y, 32, 0.25, False, 32, 3))]
+        else:
+            assert [c[0] for c in c_calls] == ["python", "python"]
+            assert c_calls[1][1] == (5, 1, 1, 777, 1234, (4, 1, 0), None, None, None, x, y, 32, 0.25, False, 32, 3)
+    finally:
+        del sys.modules[module.__name__]
+
+
 @triton.jit
 def _scale_kernel(X, Y, N, alpha, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -543,10 +543,12 @@ def norm_launchers():
 @pytest.fixture
 def interpreted_direct_launches(monkeypatch):
     """BoundLauncher.direct hands its arguments to the kernel through Triton's own launch (the interpreter
-    here; the GPU's direct launch is tests/ops/test_launch.py's), and the call plans start empty."""
+    here; the GPU's direct launch is tests/ops/test_launch.py's), and the call plans and prepared calls start
+    empty."""
     monkeypatch.setattr(launch.BoundLauncher, "direct",
                         lambda self, args: lambda grid, *a: self.launcher.kernel[grid](*a, **self.meta))
     monkeypatch.setattr(norm, "_CALLS", {})
+    monkeypatch.setattr(norm, "_PREPARED", {})
 
 
 def fwd_bwd(x, r, w, b, kind, residual_dtype=None, grads=None, dh=True):
@@ -564,7 +566,9 @@ def fwd_bwd(x, r, w, b, kind, residual_dtype=None, grads=None, dh=True):
 def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_launches):
     """A call signature's second call runs its forward and backward plans (_CALLS), which rebuild each
     launch's arguments from the signature's constants and the new tensors: outputs and gradients bitwise the
-    keyed path's on new values, in each layout the plans key on."""
+    keyed path's on new values, in each layout the plans key on. From then on the call is prepared
+    (_PREPARED): its third call runs the forward's plan through PreparedAddDropoutNorm and the backward's
+    through the general path once (which keeps it for the gradients' layout), the fourth both directly."""
     kind = "rmsnorm" if case.startswith("rmsnorm") else "layernorm"
     res_dtype = torch.float32 if case == "fp32 residual stream" else None
     shape = (2, 19, 48) if case == "3-d rows" else (37, 48)
@@ -583,14 +587,19 @@ def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_laun
     plans, used = dict(norm._CALLS), []
     for sig in plans:
         norm._CALLS[sig] = False                                    # the keyed path
+    norm._PREPARED.clear()
     want = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    assert norm._PREPARED == {}                                     # no plan: nothing to prepare
     for sig, plan in plans.items():
         norm._CALLS[sig] = lambda *a, plan=plan: used.append(1) or plan(*a)
-    got = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
-    assert used == [1, 1]
-    assert len(got) == len(want)
-    for i, (a, e) in enumerate(zip(got, want)):
-        assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), i
+    for calls in (1, 2, 3):
+        got = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+        assert used == [1, 1] * calls
+        (prepared,) = norm._PREPARED.values()
+        assert len(prepared.backward) == (calls > 1)
+        assert len(got) == len(want)
+        for i, (a, e) in enumerate(zip(got, want)):
+            assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), (calls, i)
     check_against_float64(*args, kind=kind, residual_dtype=res_dtype, grads=tuple(grads))
 
 
@@ -612,6 +621,37 @@ def test_call_plans_only_where_the_signature_fixes_every_argument(interpreted_di
     assert len(norm._CALLS) == 4
     fwd_bwd(*make(36, 48, torch.bfloat16), "layernorm", grads=(dy[:36], dh[:36]))
     assert len(norm._CALLS) == 6
+
+
+def test_prepared_calls_leave_every_other_call_to_the_general_path(interpreted_direct_launches):
+    """Once a signature is prepared, only its repeats without dropout take PreparedAddDropoutNorm: dropout, the
+    reference mode, another kind and bad arguments do not (and still raise), and a strided gradient runs the
+    general backward without being kept for the call; all of them still match float64."""
+    x, r, w, b = make(37, 48, torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    dy, dh = (torch.randn(37, 48, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+
+    def grad_fn(**kw):
+        with ops.use(kw.pop("mode", "triton")):
+            y, _ = add_dropout_norm(*[leaf(t) for t in (x, r, w, b)], **kw)
+        return type(y.grad_fn).__name__
+    fwd_bwd(x, r, w, b, "layernorm", grads=(dy, dh))
+    assert grad_fn() == "PreparedAddDropoutNormBackward"
+    assert grad_fn(training=False, dropout_p=0.5) == "PreparedAddDropoutNormBackward"
+    assert grad_fn(dropout_p=0.1, seed=1) == "AddDropoutNormBackward"
+    assert grad_fn(kind="rmsnorm") == "AddDropoutNormBackward"
+    assert grad_fn(mode="reference") != "PreparedAddDropoutNormBackward"
+    for bad in ({"dropout_p": 1.5}, {"kind": "batchnorm"}, {"residual_dtype": torch.float16}):
+        with pytest.raises(ValueError), ops.use("triton"):
+            add_dropout_norm(x, r, w, b, **bad)
+    wide = torch.randn(37, 96, generator=g).to(DEVICE, torch.bfloat16)
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    check_against_float64(x, r, w, b, kind="layernorm", grads=(strided, dh))
+    prepared = norm._PREPARED[norm._op_signature(x, r, w, b, "layernorm", 1e-5, None)]
+    assert list(prepared.backward) == []
+    check_against_float64(x, r, w, b, kind="layernorm", grads=(dy, dh))
+    assert len(prepared.backward) == 1
 
 
 @pytest.mark.gpu
@@ -662,6 +702,28 @@ def test_gpu_call_plans_match_normal_launches_bitwise(kind, device):
     assert sum(1 for sig, call in norm._CALLS.items() if call and sig[1][-1] == 1024) >= 2
     for i, (a, e) in enumerate(zip(got, expected)):
         assert torch.equal(a, e), i
+
+
+@pytest.mark.gpu
+def test_gpu_backwards_on_two_streams_keep_their_own_partial_sums(device):
+    """Forward+backwards issued on two streams at once write their partial sums to a buffer of their own
+    stream (norm.partial_rows), and both give bit for bit what one call alone gives."""
+    x, r, w, b = make(16384, 1024, torch.bfloat16, device=device, seed=5)
+    g = torch.Generator(device=device).manual_seed(6)
+    grads = [torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16) for _ in range(2)]
+    expected = fwd_bwd(x, r, w, b, "layernorm", grads=grads)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    results = []
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            results.append(fwd_bwd(x, r, w, b, "layernorm", grads=grads))
+    torch.cuda.synchronize()
+    keys = {key for key in norm._PARTIALS if key[1] in {s.cuda_stream for s in streams}}
+    assert len(keys) == 2
+    for got in results:
+        for i, (a, e) in enumerate(zip(got, expected)):
+            assert torch.equal(a, e), i
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .dispatch import INTERPRET, use_triton
 from .launch import FastLauncher, cdiv as _cdiv
-from .norm import launch_programs, programs_per_wave, sum_partials
+from .norm import launch_programs, partial_rows, programs_per_wave, sum_partials
 
 
 # The interpreter runs no inline assembly: there _sigmoid divides.
@@ -193,7 +193,7 @@ def _bias_gelu_backward(dy, x, bias):
     bm, n_col, launch, per_wave = plan
     n_tiles = _cdiv(M, bm)
     programs = launch_programs(per_wave, 1, n_tiles)
-    part = dx if bias is None else torch.empty((programs, N), dtype=torch.float32, device=dev)
+    part = dx if bias is None else partial_rows(dev, programs * N)
     launch((programs, n_col), dy, x, b, dx, part, M, N, n_tiles)
     if bias is not None:
         sum_partials(part, programs, db)

@@ -55,7 +55,7 @@ import triton.runtime.errors
 from .activation import gelu_tanh
 from .dispatch import INTERPRET as _INTERPRET, use_triton
 from .launch import FastLauncher, cdiv
-from .norm import sum_partials
+from .norm import partial_rows, sum_partials
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # Smallest normal exponent and mantissa bits, for rounding onto the FP8 grid (interpreter only, below).
@@ -409,7 +409,7 @@ def column_sums(x, col_sums) -> None:
     bm, bn = _COL_SUMS_TILE[:2] if on_gpu else (16, 32)
     n_col = cdiv(N, bn)
     per, parts = _row_split(M, N, bm, bn)
-    part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
+    part = partial_rows(x.device, parts * N)
     launch = _col_sums_gpu if on_gpu else _col_sums_interpreted
     if _compiled(("col_sums",), lambda: "_col_sums_kernel", lambda: launch((n_col, parts), x, part, M, N, per)):
         sum_partials(part, parts, col_sums)
@@ -467,7 +467,7 @@ def _launch_cast(x, y, yt, scale, scratch, n_parts, amax_i32, col_sums, fp8_dtyp
             grid = (cdiv(M, tile[0]), cdiv(N, tile[1]))
             if sums:   # one partial row per program of the (column blocks, parts) grid, then their sum
                 per, parts = _row_split(M, N, tile[0], tile[1])
-                part = torch.empty((parts, N), dtype=torch.float32, device=x.device)
+                part = partial_rows(x.device, parts * N)
                 _cast_plan(current, first_y, first_t, acc, fp8_dtype, tile, gelu, has_bias, True)(
                     (grid[1], parts), *first_args, part, per, *tail)
                 sum_partials(part, parts, col_sums)

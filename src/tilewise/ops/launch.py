@@ -29,11 +29,16 @@ pre-run hooks or a stages-inspection hook are installed, when a module global th
 meta names a non-constexpr parameter. The compiled-kernel launch API used here, CompiledKernel.run(grid0,
 grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args), is the
 same in Triton 3.6 and 3.9; hooks may be None there, and constexpr values are passed (and ignored).
+Where run is Triton 3.6's CudaLauncher and the kernel needs no scratch buffers, its C entry point is called
+instead, with the arguments its __call__ would add (6.7 against 12.3 us a launch of the norm backward's
+row kernel on the H200's host, bench/host_threads.py): the format of that entry point's arguments,
+_BASE_ARGS_FORMAT in Triton's CUDA driver module, is checked first, and anything else keeps run.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 import triton
@@ -150,6 +155,15 @@ def _bind_driver():
     _get_device, _get_stream = driver.get_current_device, driver.get_current_stream
 
 
+def current_stream(device: torch.device):
+    """The raw handle of the current stream of `device` (None on CPU): what keys per-stream scratch buffers."""
+    if device.type != "cuda":
+        return None
+    if _get_stream is None:
+        _bind_driver()
+    return _get_stream(device.index if device.index is not None else _get_device())
+
+
 def _knob_state() -> tuple:
     """Triton's global knobs that enter its cache key through the launch options."""
     rt, comp = _knobs.runtime, _knobs.compilation
@@ -164,14 +178,41 @@ def _hooks_installed() -> bool:
         getattr(rt, "add_stages_inspection_hook", None) is not None
 
 
+# The arguments of Triton 3.6's C launch function before the kernel's: grid (3), stream, function, cooperative
+# grid, PDL, global and profile scratch, packed metadata, launch metadata, enter and exit hooks.
+_C_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+
+
+def _c_launch(run):
+    """run's C entry point and the two launch flags its __call__ passes (cooperative grid, PDL), when run is
+    Triton 3.6's CudaLauncher of a kernel that needs no scratch buffer; else None (call run itself)."""
+    driver_module = sys.modules.get(type(run).__module__)
+    if getattr(driver_module, "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_FORMAT:
+        return None
+    c_launch = getattr(run, "launch", None)
+    if not callable(c_launch) or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return c_launch, (bool(run.launch_cooperative_grid), bool(run.launch_pdl))
+
+
 class _Entry:
-    """What a direct launch needs: the compiled kernel's launcher, its handle and metadata, and the values of
-    the parameters after the positional ones (constexprs from meta, else defaults), in signature order."""
-    __slots__ = ("compiled", "run", "function", "packed_metadata", "tail")
+    """What a direct launch needs: the compiled kernel's launcher (or its C entry point and flags, see
+    _c_launch), its handle and metadata, and the values of the parameters after the positional ones
+    (constexprs from meta, else defaults), in signature order."""
+    __slots__ = ("compiled", "run", "function", "packed_metadata", "tail", "c_launch", "coop", "pdl")
 
     def __init__(self, compiled, tail):
         self.compiled, self.tail = compiled, tail
         self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+        c = _c_launch(self.run)
+        self.c_launch, (self.coop, self.pdl) = (None, (False, False)) if c is None else c
+
+    def __call__(self, g0, g1, g2, stream, args):
+        if self.c_launch is not None:
+            self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, None, None, self.packed_metadata,
+                          None, None, None, *args, *self.tail)
+        else:
+            self.run(g0, g1, g2, stream, self.function, self.packed_metadata, None, None, None, *args, *self.tail)
 
 
 _NORMAL = object()      # the entry of a key whose calls always take the normal launch
@@ -222,8 +263,7 @@ class FastLauncher:
                 self._globals_changed():
             return self._normal(grid, args, meta, None)
         n = len(grid)
-        entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), entry.function,
-                  entry.packed_metadata, None, None, None, *args, *entry.tail)
+        entry(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), args)
         self.fast_launches += 1
         return entry.compiled
 
@@ -308,14 +348,19 @@ class BoundLauncher:
             return None
         if entry is None or entry is _NORMAL:
             return None
-        run, function, metadata, tail = entry.run, entry.function, entry.packed_metadata, entry.tail
+        c_launch, function, metadata, tail = entry.c_launch, entry.function, entry.packed_metadata, entry.tail
+        coop, pdl, run = entry.coop, entry.pdl, entry.run
 
         def launch(grid, *a):
             if not _ENABLED[0] or _get_device() != device or _knob_state() != knobs or fl.kernel.pre_run_hooks \
                     or _hooks_installed() or fl._globals_changed():
                 return fl.launch(grid, a, self.meta, self.meta_key)
             n = len(grid)
-            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function, metadata,
-                None, None, None, *a, *tail)
+            if c_launch is not None:        # (the entry's __call__, inline: a call costs as much as a check)
+                c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function,
+                         coop, pdl, None, None, metadata, None, None, None, *a, *tail)
+            else:
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), function,
+                    metadata, None, None, None, *a, *tail)
             fl.fast_launches += 1
         return launch

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv
+from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv, current_stream
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 _MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
@@ -582,11 +582,35 @@ _sum_partials = _sum_partials_launch.bind(BLOCK_R=128, BLOCK_N=_SUM_COLUMNS, NUM
                                           num_stages=3)
 
 
+# The fp32 partial-sum rows of a backward live in one buffer per (device, stream), grown when a call needs
+# more, instead of a new allocation a call (5.5 us of host time on the H200's machine). The kernels that
+# write and read it run in the order of the stream they are launched on, so one stream's calls never
+# overlap on it, and another stream gets its own buffer.
+_PARTIALS: dict = {}
+
+
+def partial_rows(device: torch.device, n: int) -> torch.Tensor:
+    """A flat fp32 buffer of at least n elements for partial sums on the current stream of `device`."""
+    key = (device, current_stream(device))
+    buf = _PARTIALS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _PARTIALS[key] = torch.empty(n, dtype=torch.float32, device=device)
+    return buf
+
+
 def sum_partials(part, rows: int, dw, db=None):
-    """dw (and db) = the column sums of the fp32 partial rows part[0] (and part[1]), (rows, N) each, written
-    in dw's (db's) dtype by one small kernel."""
+    """dw (and db) = the column sums of the fp32 partial rows in part: (rows, N) for dw, then as many for db,
+    contiguous from part's first element; written in dw's (db's) dtype by one small kernel."""
     N = dw.shape[0]
     _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 if db is None else 2), part, dw, dw if db is None else db, rows, N)
+
+
+def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype):
+    """A backward call's signature (see _CALLS) for contiguous dy and dh; h, stats and weight are the
+    forward's (contiguous, h and stats aligned)."""
+    return (False, h.shape, h.dtype, h.device, dy.dtype, dy.data_ptr() & 15,
+            None if dh is None else (dh.dtype, dh.data_ptr() & 15), weight.dtype, weight.data_ptr() & 15,
+            is_rms, x_dtype, res_dtype, bias_dtype)
 
 
 def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
@@ -597,10 +621,8 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
     dy = dy.contiguous()                      # the kernel walks rows of N contiguous elements
     dh = dh.contiguous() if dh is not None else None
     sig = None
-    if cfg is None and p == 0.0:   # h, stats and weight: the forward's (contiguous, h and stats aligned)
-        sig = (False, h.shape, h.dtype, h.device, dy.dtype, dy.data_ptr() & 15,
-               None if dh is None else (dh.dtype, dh.data_ptr() & 15), weight.dtype, weight.data_ptr() & 15,
-               is_rms, x_dtype, res_dtype, bias_dtype)
+    if cfg is None and p == 0.0:
+        sig = _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype)
         call = _CALLS.get(sig)
         if call:
             return call(dy, dh, h, weight, stats)
@@ -636,7 +658,7 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
         _bwd_row_sums_launch((M,), dy, h, weight, stats, c, M, N, IS_RMS=is_rms, BLOCK_N=cfg.block_n,
                              NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     programs = launch_programs(plan.per_wave, cfg.waves, n_tiles)
-    part = torch.empty((1 if db is None else 2, programs, N), dtype=torch.float32, device=dev)
+    part = partial_rows(dev, (1 if db is None else 2) * programs * N)
     args = (dy, dy if dh is None else dh, h, weight, stats, c, dx, dx if dr is None else dr, part, M, N, n_tiles,
             seed, plan.thr, plan.scale)
     plan.launch((programs, n_col), *args)
@@ -651,7 +673,7 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
 def _backward_call(plan: _Plan, grid, args, dr, db):
     """The backward of one call signature (see _CALLS): new gradients, the row kernel's and the partial
     sums' direct launches."""
-    dx, dw, part, programs, N = args[6], args[3], args[8], args[8].shape[1], args[10]
+    dx, dw, part, programs, N = args[6], args[3], args[8], grid[0], args[10]
     sums_args = (part, dw, dw if db is None else db, programs, N)
     launch = plan.launch.planned(args)
     sums = _sum_partials.planned(sums_args) if launch else launch
@@ -659,14 +681,15 @@ def _backward_call(plan: _Plan, grid, args, dr, db):
         return sums
     shape, x_dtype, device = dx.shape, dx.dtype, dx.device
     r_dtype, b_dtype, w_dtype = dr.dtype if dr is not None else None, db.dtype if db is not None else None, dw.dtype
-    part_shape, scalars, sums_grid = part.shape, args[9:], (_cdiv(N, _SUM_COLUMNS), part.shape[0])
+    n_part, scalars, sums_grid = (1 if db is None else 2) * programs * N, args[9:], (_cdiv(N, _SUM_COLUMNS),
+                                                                                    1 if db is None else 2)
 
     def backward(dy, dh, h, weight, stats):
         dx = torch.empty(shape, dtype=x_dtype, device=device)
         dr = torch.empty(shape, dtype=r_dtype, device=device) if r_dtype is not None else None
         dw = torch.empty(N, dtype=w_dtype, device=device)
         db = torch.empty(N, dtype=b_dtype, device=device) if b_dtype is not None else None
-        part = torch.empty(part_shape, dtype=torch.float32, device=device)
+        part = partial_rows(device, n_part)
         launch(grid, dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, part,
                *scalars)
         sums(sums_grid, part, dw, dw if db is None else db, programs, N)
@@ -731,7 +754,31 @@ def _row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() == 2 else t.shape[-1]   # contiguous when not 2-D (see _rows)
 
 
+def _input_grads(meta, dx, dr, dw, db):
+    """The gradients of x, residual, weight and bias from the backward's dx, dr, dw, db."""
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = meta
+    if dx.shape != shape:
+        dx = dx.view(shape)
+    dres = None
+    if res_dtype is not None:
+        # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
+        # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
+        dres = dx if res_dtype == x_dtype and p == 0.0 else (dr if dr.shape == shape else dr.view(shape))
+    return dx, dres, dw, (db if bias_dtype is not None else None)
+
+
+def _general_backward(meta, dy, dh, h, weight, stats):
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = meta
+    # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
+    dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
+    grads = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype, res_dtype,
+                 bias_dtype)
+    return _input_grads(meta, *grads)
+
+
 class AddDropoutNorm(torch.autograd.Function):
+    """Any layout, dropout, torch.compile: the inputs are brought to rows (see _rows) and the launchers
+    plan each call."""
     @staticmethod
     def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
         weight = weight.contiguous()
@@ -748,19 +795,84 @@ class AddDropoutNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight, stats = ctx.saved_tensors
-        is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = ctx.meta
-        # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
-        dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
-        dx, dr, dw, db = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype,
-                              res_dtype, bias_dtype)
-        if dx.shape != shape:
-            dx = dx.view(shape)
-        dres = None
-        if res_dtype is not None:
-            # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
-            # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
-            dres = dx if res_dtype == x_dtype and p == 0.0 else (dr if dr.shape == shape else dr.view(shape))
-        return dx, dres, dw, (db if bias_dtype is not None else None), None, None, None, None, None
+        return _general_backward(ctx.meta, dy, dh, h, weight, stats) + (None,) * 5
+
+
+# Prepared calls: add_dropout_norm's signatures seen before without dropout, with every argument already in
+# the kernels' layout, whose forward has a call plan (_CALLS). Their signature covers everything
+# check_norm_args reads, so a repeat skips the checks, the layout work and Function.apply's Python wrapper
+# (functorch's unwrapping of dead wrappers, which never have a signature: their data_ptr raises), and runs
+# PreparedAddDropoutNorm: the forward's call plan, then the backward's of the gradients' layout.
+_PREPARED: dict = {}
+
+
+class _Prepared(NamedTuple):
+    forward: object         # the forward's call plan
+    backward: dict          # the backward's call plans by the gradients' layout (see _grad_layout)
+    meta: tuple             # AddDropoutNorm's ctx.meta
+
+
+def _op_signature(x, residual, weight, bias, kind, eps, residual_dtype):
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+            None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device,
+                                           residual.data_ptr() & 15),
+            weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
+            kind, eps, residual_dtype)
+
+
+def _grad_layout(dy, dh):
+    return dy.stride(), dy.dtype, dy.data_ptr() & 15, None if dh is None else (dh.stride(), dh.dtype,
+                                                                                dh.data_ptr() & 15)
+
+
+class PreparedAddDropoutNorm(torch.autograd.Function):
+    """A prepared call (see _PREPARED): the inputs are the kernels' rows already."""
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, prepared):
+        y, h, stats = prepared.forward(x, residual, weight, bias)
+        ctx.save_for_backward(h, weight, stats)
+        ctx.set_materialize_grads(False)
+        ctx.prepared = prepared
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, stats = ctx.saved_tensors
+        prepared = ctx.prepared
+        layout = None
+        if dy is not None:
+            layout = _grad_layout(dy, dh)
+            call = prepared.backward.get(layout)
+            if call is not None:
+                return _input_grads(prepared.meta, *call(dy, dh, h, weight, stats)) + (None,)
+        grads = _general_backward(prepared.meta, dy, dh, h, weight, stats)
+        if layout is not None and dy.is_contiguous() and (dh is None or dh.is_contiguous()):
+            is_rms, _, _, x_dtype, res_dtype, bias_dtype, _ = prepared.meta
+            call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype))
+            if call and len(prepared.backward) < 16:
+                prepared.backward[layout] = call
+        return grads + (None,)
+
+
+try:        # the C apply under Function.apply's Python wrapper (see _PREPARED)
+    _apply_prepared = torch._C._FunctionBase.__dict__["apply"].__get__(None, PreparedAddDropoutNorm)
+except (AttributeError, KeyError, TypeError):     # pragma: no cover - another torch: its own apply
+    _apply_prepared = PreparedAddDropoutNorm.apply
+
+
+def _prepare(sig, x, residual, weight, bias, is_rms, eps, h_dtype):
+    """Keep a prepared call for sig after a general call without dropout, where the inputs were the kernels'
+    layout and the forward got a call plan."""
+    if len(_PREPARED) >= _MAX_CALLS or _rows(x) is not x or (residual is not None and _rows(residual) is not
+                                                            residual):
+        return
+    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return
+    call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype))
+    if call:
+        _PREPARED[sig] = _Prepared(call, {}, (is_rms, 0.0, 0, x.dtype, None if residual is None else residual.dtype,
+                                              None if bias is None else bias.dtype, x.shape))
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
@@ -818,6 +930,15 @@ def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e
     h is kept in residual_dtype (default: residual's dtype, else x's), y in x's dtype. seed=None draws one
     from torch's CPU generator (no device sync); the same seed gives the same mask.
     """
+    sig = None
+    if not (dropout_p and training) and not torch.compiler.is_compiling():
+        try:
+            sig = _op_signature(x, residual, weight, bias, kind, eps, residual_dtype)
+            prepared = _PREPARED.get(sig)
+        except (AttributeError, TypeError, RuntimeError):       # not tensors, or no storage: the checks say
+            sig = prepared = None
+        if prepared is not None and use_triton(x):
+            return _apply_prepared(x, residual, weight, bias, prepared)
     check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype)
     p = float(dropout_p) if training else 0.0
     if use_triton(x) and x.dtype != torch.float64:      # float64 stays on the reference
@@ -827,8 +948,11 @@ def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e
             seed = 0
         elif seed is None:
             seed = int(torch.randint(0, 2 ** 31 - 1, (1,), device="cpu").item())     # host RNG: no device sync
-        return AddDropoutNorm.apply(x, residual, weight, bias, kind == "rmsnorm", float(eps), p, int(seed),
-                                    residual_dtype)
+        is_rms = kind == "rmsnorm"
+        out = AddDropoutNorm.apply(x, residual, weight, bias, is_rms, float(eps), p, int(seed), residual_dtype)
+        if sig is not None and p == 0.0:
+            _prepare(sig, x, residual, weight, bias, is_rms, float(eps), residual_dtype)
+        return out
     return add_dropout_norm_reference(x, residual, weight, bias, kind=kind, eps=eps, dropout_p=p, seed=seed,
                                       residual_dtype=residual_dtype)
 
