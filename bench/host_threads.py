@@ -11,9 +11,10 @@ separate. At 9bc6c82: 379 against 306 us a call, of which the body 84 against 71
 Cases: the norm op at a tiny shape and at 32768 x 1024 (LayerNorm, bf16); the same with its kernel launches
 replaced by no-ops (what launching costs); a Function whose backward only allocates the op's outputs; a
 Function whose backward only launches the op's two backward kernels' worth of a tiny kernel; the no-work
-Function. First, launch_costs: what one direct launch costs with tensors, with data_ptr ints, and through
-Triton 3.6's C entry point, beside a CUDA torch.empty, Function.apply against its C base and check_norm_args
-(at 3792021: 16.1, 12.3 and 6.7 us for the backward row kernel, 5.5, 12.0 against 7.2, and 5.0 us).
+Function. First, launch_costs: what one direct launch costs inside a backward, with tensors, with data_ptr
+ints, and through Triton 3.6's C entry point, beside allocations, Function.apply against its C base and
+check_norm_args (on the calling thread at 3792021: 16.1, 12.3 and 6.7 us for the backward row kernel; a CUDA
+torch.empty 5.5; 12.0 against 7.2; 5.0 us).
 
     PYTHONPATH=src python3 bench/host_threads.py --out DIR
 """
@@ -91,12 +92,43 @@ def both_threads(name, fn, leaves, rows, clock=False):
     print(row, flush=True)
 
 
+class _RunInBackward(torch.autograd.Function):
+    """Runs ctx.fn REPEATS times in its backward, where the norm op's backward runs."""
+    REPEATS = 10
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        ctx.fn = fn
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for _ in range(_RunInBackward.REPEATS):
+            ctx.fn()
+        return grad, None
+
+
+def per_call_us(fn):
+    """us a call of fn inside a backward, on autograd's worker thread and on the calling thread: a
+    forward+backward running it REPEATS times less one running a no-op as often, over REPEATS."""
+    t = torch.zeros(8, device="cuda", requires_grad=True)
+    g = torch.ones(8, device="cuda")
+    out = {}
+    for label, multi in (("worker", True), ("calling", False)):
+        with torch.autograd.set_multithreading_enabled(multi):
+            base = host_us(lambda: torch.autograd.backward(_RunInBackward.apply(t, lambda: None), g))
+            full = host_us(lambda: torch.autograd.backward(_RunInBackward.apply(t, fn), g))
+        out[f"{label}_us"] = round((full - base) / _RunInBackward.REPEATS, 2)
+    return out
+
+
 def launch_costs(rows):
-    """What one direct launch and its neighbours cost on this host, on the calling thread, at shapes small
-    enough that the GPU never waits: the backward row kernel (9 pointers) and the partial sums (3) with
-    tensors as arguments, with their data_ptr() ints (Triton's C launcher then skips a data_ptr call and a
+    """What one direct launch and its neighbours cost inside a backward (per_call_us), at shapes small enough
+    that the GPU never waits: the backward row kernel (9 pointers) and the partial sums (3) with tensors as
+    arguments, with their data_ptr() ints (Triton's C launcher then skips a data_ptr call and a
     cuPointerGetAttribute per pointer), and through the compiled launcher's C entry point (Triton 3.6,
-    skipping CudaLauncher.__call__); a CUDA torch.empty; Function.apply against its C base."""
+    skipping CudaLauncher.__call__ and the direct launch's checks, timed alone); allocations by torch.empty,
+    empty_like and new_empty; Function.apply against its C base and check_norm_args (calling thread)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     m, n = 256, 1024
     h, dy, dh = (torch.randn(m, n, device=dev, dtype=bf) for _ in range(3))
@@ -113,31 +145,38 @@ def launch_costs(rows):
     sums_args = (part, dw, db, programs, n)
     cases = (("bwd kernel", plan.launch, (programs, 1), bwd_args),
              ("partial sums", norm._sum_partials, (norm._cdiv(n, norm._SUM_COLUMNS), 2), sums_args))
+
+    def add(case, fn):
+        rows.append({"case": case, **per_call_us(fn)})
+        print(rows[-1], flush=True)
     for name, bound, grid, args in cases:
         bound(grid, *args)
         direct = bound.direct(args)
         ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         compiled = bound.launcher.launch(grid, args, bound.meta, bound.meta_key)
         entry = next(e for e in bound.launcher._entries.values() if getattr(e, "compiled", None) is compiled)
-        row = {"case": f"{name}: direct launch, tensors", "calling_us": host_us(lambda: direct(grid, *args))}
-        rows.append(row)
-        rows.append({"case": f"{name}: direct launch, data_ptr ints",
-                     "calling_us": host_us(lambda: direct(grid, *ints))})
-        run = entry.run
-        if hasattr(run, "launch") and not run.global_scratch_size and not run.profile_scratch_size:
-            c_launch, stream = run.launch, torch.cuda.current_stream().cuda_stream
-            extra = (run.launch_cooperative_grid, run.launch_pdl, None, None, entry.packed_metadata, None, None,
-                     None)
-            g = tuple(grid) + (1,) * (3 - len(grid))
+        add(f"{name}: direct launch, tensors", lambda: direct(grid, *args))
+        add(f"{name}: direct launch, data_ptr ints", lambda: direct(grid, *ints))
+        if entry.c_launch is not None:
+            c_launch, stream, g = entry.c_launch, torch.cuda.current_stream().cuda_stream, tuple(grid) + (1,)
+            extra = (entry.coop, entry.pdl, None, None, entry.packed_metadata, None, None, None)
 
             def raw():
-                c_launch(g[0], g[1], g[2], stream, entry.function, *extra, *ints, *entry.tail)
-            rows.append({"case": f"{name}: C launch, data_ptr ints", "calling_us": host_us(raw)})
-            rows.append({"case": f"{name}: tensors to ints (Python)",
-                         "calling_us": host_us(lambda: tuple([a.data_ptr() if a.__class__ is torch.Tensor else a
-                                                              for a in args]))})
-    rows.append({"case": "torch.empty 32768x1024 bf16",
-                 "calling_us": host_us(lambda: torch.empty((32768, 1024), dtype=bf, device=dev))})
+                c_launch(g[0], g[1], 1, stream, entry.function, *extra, *ints, *entry.tail)
+            add(f"{name}: C launch alone, data_ptr ints", raw)
+        add(f"{name}: data_ptr of each tensor argument",
+            lambda: [a.data_ptr() for a in args if a.__class__ is torch.Tensor])
+    knobs = launch._knob_state()
+    fl = norm._bwd_launch
+    add("direct launch's checks", lambda: (launch._get_device() != 0 or launch._knob_state() != knobs or
+                                           fl.kernel.pre_run_hooks or launch._hooks_installed() or
+                                           fl._globals_changed()))
+    x = torch.empty((32768, 1024), dtype=bf, device=dev)
+    add("torch.empty((32768, 1024), dtype=, device=)", lambda: torch.empty((32768, 1024), dtype=bf, device=dev))
+    add("torch.empty_like(x)", lambda: torch.empty_like(x))
+    add("x.new_empty((32768, 1024))", lambda: x.new_empty((32768, 1024)))
+    add("torch.empty(1024, dtype=, device=)", lambda: torch.empty(1024, dtype=bf, device=dev))
+    add("torch.empty_like(w)", lambda: torch.empty_like(w))
 
     class Passing(torch.autograd.Function):
         @staticmethod
@@ -154,7 +193,7 @@ def launch_costs(rows):
     x, r = (torch.randn(32768, 1024, device=dev, dtype=bf) for _ in range(2))
     rows.append({"case": "check_norm_args", "calling_us": host_us(
         lambda: norm.check_norm_args(x, r, w, w, "layernorm", 0.0, None))})
-    for row in rows[-12:]:
+    for row in rows[len(rows) - 3:]:
         print(row, flush=True)
 
 
