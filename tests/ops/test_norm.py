@@ -623,6 +623,20 @@ def test_call_plans_only_where_the_signature_fixes_every_argument(interpreted_di
     assert len(norm._CALLS) == 6
 
 
+def test_partial_rows_keeps_one_buffer_a_size_and_never_replaces_it(monkeypatch):
+    """A repeat of (device, stream, size) gets the same buffer; another size gets its own and the first stays
+    (a captured CUDA graph may still use its address); past the table's limit a call gets a fresh one."""
+    monkeypatch.setattr(norm, "_PARTIALS", {})
+    monkeypatch.setattr(norm, "_MAX_PARTIALS", 2)
+    dev = torch.device(DEVICE)
+    a = norm.partial_rows(dev, 96)
+    assert a.dtype == torch.float32 and a.numel() == 96 and norm.partial_rows(dev, 96) is a
+    b = norm.partial_rows(dev, 192)
+    assert b is not a and norm.partial_rows(dev, 96) is a and norm.partial_rows(dev, 192) is b
+    c = norm.partial_rows(dev, 48)
+    assert c.numel() == 48 and norm.partial_rows(dev, 48) is not c and len(norm._PARTIALS) == 2
+
+
 def test_prepared_calls_leave_every_other_call_to_the_general_path(interpreted_direct_launches):
     """Once a signature is prepared, only its repeats without dropout take PreparedAddDropoutNorm: dropout, the
     reference mode, another kind and bad arguments do not (and still raise), and a strided gradient runs the

@@ -604,19 +604,23 @@ _sum_partials = _sum_partials_launch.bind(BLOCK_R=128, BLOCK_N=_SUM_COLUMNS, NUM
                                           num_stages=3)
 
 
-# The fp32 partial-sum rows of a backward live in one buffer per (device, stream), grown when a call needs
-# more, instead of a new allocation a call (5.5 us of host time on the H200's machine). The kernels that
-# write and read it run in the order of the stream they are launched on, so one stream's calls never
-# overlap on it, and another stream gets its own buffer.
+# The fp32 partial-sum rows of a backward live in buffers kept per (device, stream, size) instead of a new
+# allocation a call (5.5 us of host time on the H200's machine). The kernels that write and read one run in
+# the order of the stream they are launched on, so one stream's calls never overlap on it, and another
+# stream gets its own. A buffer is never replaced or freed: a CUDA graph that captured a launch keeps its
+# address. Past _MAX_PARTIALS sizes (rows that vary call by call) a call allocates its own.
 _PARTIALS: dict = {}
+_MAX_PARTIALS = 64
 
 
 def partial_rows(device: torch.device, n: int) -> torch.Tensor:
-    """A flat fp32 buffer of at least n elements for partial sums on the current stream of `device`."""
-    key = (device, current_stream(device))
+    """A flat fp32 buffer of n elements for partial sums on the current stream of `device`."""
+    key = (device, current_stream(device), n)
     buf = _PARTIALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _PARTIALS[key] = torch.empty(n, dtype=torch.float32, device=device)
+    if buf is None:
+        buf = torch.empty(n, dtype=torch.float32, device=device)
+        if len(_PARTIALS) < _MAX_PARTIALS:
+            _PARTIALS[key] = buf
     return buf
 
 
