@@ -14,7 +14,9 @@ Function whose backward only launches the op's two backward kernels' worth of a 
 Function. First, launch_costs: what one direct launch costs inside a backward, with tensors, with data_ptr
 ints, and through Triton 3.6's C entry point, beside allocations, Function.apply against its C base and
 check_norm_args (on the calling thread at 3792021: 16.1, 12.3 and 6.7 us for the backward row kernel; a CUDA
-torch.empty 5.5; 12.0 against 7.2; 5.0 us).
+torch.empty 5.5; 12.0 against 7.2; 5.0 us). At 32768 x 1024, the op and eager's add + layer_norm also run in a
+loop shaped like do_bench's (do_bench_shaped): at 44495b4 bench/fused.py timed the op at 0.637 ms on a host
+where the tight loop took 363 us a call, so something in do_bench's loop makes the call slower.
 
     PYTHONPATH=src python3 bench/host_threads.py --out DIR
 """
@@ -197,6 +199,36 @@ def launch_costs(rows):
         print(row, flush=True)
 
 
+def do_bench_shaped(name, fn, leaves, rows, calls=100):
+    """fn inside a loop shaped like triton.testing.do_bench's (grads reset, the 256 MB L2 flush, CUDA
+    events around the call): the median host time of the call (perf_counter around fn alone) and the median
+    event time, on both threads. Against host_us's tight loop it shows whether the host's time per call
+    grows when the GPU and the worker thread idle between calls, as they do under do_bench."""
+    flush = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    row = {"case": f"{name}, do_bench-shaped loop"}
+    for label, multi in (("worker", True), ("calling", False)):
+        with torch.autograd.set_multithreading_enabled(multi):
+            host, events = [], []
+            for i in range(calls + 10):
+                for t in leaves:
+                    t.grad = None
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                end.record()
+                if i >= 10:
+                    host.append(t1 - t0)
+                    events.append((start, end))
+            torch.cuda.synchronize()
+        row[f"{label}_host_us"] = round(statistics.median(host) * 1e6, 1)
+        row[f"{label}_event_us"] = round(statistics.median(s.elapsed_time(e) for s, e in events) * 1e3, 1)
+    rows.append(row)
+    print(row, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
@@ -214,6 +246,14 @@ def main():
             y, h = ops.add_dropout_norm(x, r, w, b)
             torch.autograd.backward((y, h), (dy, dh))
         both_threads(f"norm {m}x{n}", op, leaves, rows, clock=True)
+        if m == 32768:
+            do_bench_shaped(f"norm {m}x{n}", op, leaves, rows)
+
+            def eager():
+                h = x + r
+                y = torch.nn.functional.layer_norm(h, (n,), w, b)
+                torch.autograd.backward((y, h), (dy, dh))
+            do_bench_shaped(f"eager add + layer_norm {m}x{n}", eager, leaves, rows)
 
         # the launches as no-ops: new plans whose direct launches do nothing (the keyed first calls run)
         saved = dict(norm._CALLS), dict(norm._PREPARED)
