@@ -30,9 +30,10 @@ meta names a non-constexpr parameter. The compiled-kernel launch API used here, 
 grid1, grid2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args), is the
 same in Triton 3.6 and 3.9; hooks may be None there, and constexpr values are passed (and ignored).
 Where run is Triton 3.6's CudaLauncher and the kernel needs no scratch buffers, its C entry point is called
-instead, with the arguments its __call__ would add (6.7 against 12.3 us a launch of the norm backward's
-row kernel on the H200's host, bench/host_threads.py): the format of that entry point's arguments,
-_BASE_ARGS_FORMAT in Triton's CUDA driver module, is checked first, and anything else keeps run.
+instead, with the arguments its __call__ would add: the format of that entry point's arguments,
+_BASE_ARGS_FORMAT in Triton's CUDA driver module, is checked first, and anything else keeps run. (The norm
+backward's row kernel on the H200's host, bench/host_threads.py at 3792021: 12.3 us a direct launch, checks
+and __call__ included, against 6.7 for the C entry point alone, both with data_ptr ints as arguments.)
 """
 from __future__ import annotations
 
