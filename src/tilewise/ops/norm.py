@@ -34,8 +34,9 @@ the kernels' layout already, is prepared (_PREPARED): it skips the argument chec
 Function.apply's Python wrapper, and PreparedAddDropoutNorm runs the two call plans. The plans allocate by
 new_empty on 0-element templates (no keyword parsing), the partial sums go to buffers kept per stream
 and size (partial_rows), and Triton 3.6's launches enter at its C function (ops/launch.py). At 32768 x 1024 a
-forward+backward took 240 us of host time with the backward on autograd's worker thread at 38b812c,
-against 379 at 9bc6c82 (bench/host_threads.py; the two hosts' speeds differ, by up to 2x between runs).
+forward+backward took 240 us of host time with the backward on autograd's worker thread at 38b812c and 363
+at 44495b4 (the same code on a slower host), against 379 at 9bc6c82 (bench/host_threads.py; hosts' speeds
+differ by up to 2x between runs).
 """
 from __future__ import annotations
 
@@ -525,7 +526,7 @@ _EMPTY: dict = {}
 def _like(dtype, device) -> Optional[torch.Tensor]:
     """A 0-element tensor of dtype on device (None for None): its new_empty(shape) allocates what
     torch.empty(shape, dtype=dtype, device=device) does in a fraction of the host time, without the
-    keyword parsing (1.3 against 7.3 us on the H200's machine, bench/host_threads.py)."""
+    keyword parsing (1.3 against 7.3 us on the H200's machine, calling thread, bench/host_threads.py)."""
     if dtype is None:
         return None
     t = _EMPTY.get((dtype, device))
