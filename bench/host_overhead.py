@@ -30,6 +30,17 @@ from common import environment, write_result  # noqa: E402
 from tilewise import ops  # noqa: E402
 
 
+class Doubling(torch.autograd.Function):
+    """The smallest Python autograd node: what one costs."""
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def host_us(fn, calls=200, repeats=3):
     """Best of `repeats` mean wall times of `calls` calls, synchronized once per batch."""
     for _ in range(10):
@@ -106,15 +117,6 @@ def cases(dev):
 
     def ce_eager():
         F.cross_entropy(F.linear(hid, head).float(), tgt).backward()
-
-    class Doubling(torch.autograd.Function):   # the smallest Python autograd node: what one costs
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 2
 
     def function_tw():
         y = Doubling.apply(x)

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 from common import environment, write_result  # noqa: E402
-from host_overhead import host_us  # noqa: E402
+from host_overhead import Doubling, host_us  # noqa: E402
 
 from tilewise import ops  # noqa: E402
 from tilewise.ops import launch, norm  # noqa: E402
@@ -288,14 +288,6 @@ def main():
             torch.autograd.backward((y, h), (dy, dh))
         both_threads(f"allocating Function {m}x{n}", alloc, leaves, rows)
 
-    class Doubling(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 2
     t = torch.randn(256, 768, device=dev, dtype=bf, requires_grad=True)
     both_threads("no-work Function (x * 2)", lambda: torch.autograd.backward(Doubling.apply(t), t.detach()), (t,),
                  rows)
