@@ -691,16 +691,16 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
     plan.launch((programs, n_col), *args)
     sum_partials(part, programs, dw, db)
     if sig is not None and not cfg.chunked and sig not in _CALLS and len(_CALLS) < _MAX_CALLS:
-        call = _backward_call(plan, (programs, n_col), args, dr, db)
+        call = _backward_call(plan, (programs, n_col), args, dw, dr, db)
         if call is not None:
             _CALLS[sig] = call
     return dx, dr, dw, db
 
 
-def _backward_call(plan: _Plan, grid, args, dr, db):
+def _backward_call(plan: _Plan, grid, args, dw, dr, db):
     """The backward of one call signature (see _CALLS): new gradients, the row kernel's and the partial
-    sums' direct launches."""
-    dx, dw, part, programs, N = args[6], args[3], args[8], grid[0], args[10]
+    sums' direct launches (keyed on the first call's args and dw, dr, db)."""
+    dx, part, programs, N = args[6], args[8], grid[0], args[10]
     sums_args = (part, dw, dw if db is None else db, programs, N)
     launch = plan.launch.planned(args)
     sums = _sum_partials.planned(sums_args) if launch else launch
