@@ -16,7 +16,9 @@ ints, and through Triton 3.6's C entry point, beside allocations, Function.apply
 check_norm_args (on the calling thread at 3792021: 16.1, 12.3 and 6.7 us for the backward row kernel; a CUDA
 torch.empty 5.5; 12.0 against 7.2; 5.0 us). At 32768 x 1024, the op and eager's add + layer_norm also run in a
 loop shaped like do_bench's (do_bench_shaped): at 44495b4 bench/fused.py timed the op at 0.637 ms on a host
-where the tight loop took 363 us a call, so something in do_bench's loop makes the call slower.
+where the tight loop took 363 us a call, so something in do_bench's loop makes the call slower. spreads runs
+do_bench itself and keeps its per-call times' quantiles, before and after a torch.compile'd peer has run in
+the process, to see whether a slow median is a stalled mode of some calls or a uniform slowdown.
 
     PYTHONPATH=src python3 bench/host_threads.py --out DIR
 """
@@ -229,12 +231,61 @@ def do_bench_shaped(name, fn, leaves, rows, calls=100):
     print(row, flush=True)
 
 
+def do_bench_spread(name, fn, leaves, rows):
+    """triton.testing.do_bench's own per-call times of fn (return_mode="all") on both threads: quantiles,
+    so a bimodal spread (some calls host-stalled) shows beside the median that bench/fused.py reports."""
+    import triton.testing
+    row = {"case": f"{name}, do_bench spread"}
+    for label, multi in (("worker", True), ("calling", False)):
+        with torch.autograd.set_multithreading_enabled(multi):
+            times = sorted(triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="all"))
+        q = {f"p{int(p * 100)}": round(times[min(len(times) - 1, int(p * len(times)))] * 1e3, 1)
+             for p in (0.1, 0.25, 0.5, 0.75, 0.9)}
+        row[f"{label}_us"] = q
+        row[f"{label}_slow_fraction"] = round(sum(t > 1.5 * times[0] for t in times) / len(times), 3)
+    rows.append(row)
+    print(row, flush=True)
+
+
+def spreads(rows, compiled=False):
+    """do_bench_spread of the op and of eager at 32768 x 1024, LayerNorm and RMSNorm; with compiled, after a
+    torch.compile'd add + norm has been built and run in this process (as bench/fused.py's later rows are)."""
+    dev, bf, (m, n) = torch.device("cuda"), torch.bfloat16, (32768, 1024)
+    x, r = (torch.randn(m, n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+    dy, dh = torch.randn(m, n, device=dev, dtype=bf), torch.randn(m, n, device=dev, dtype=bf)
+    suffix = ", after torch.compile" if compiled else ""
+    if compiled:
+        def eager_rms(x, r, w):
+            h = x + r
+            return torch.nn.functional.rms_norm(h, (n,), w), h
+        comp = torch.compile(eager_rms)
+
+        def compiled_step():
+            y, h = comp(x, r, w)
+            torch.autograd.backward((y, h), (dy, dh))
+        do_bench_spread(f"torch.compile add + rms_norm {m}x{n}{suffix}", compiled_step, (x, r, w), rows)
+    for kind, bias, leaves in (("layernorm", b, (x, r, w, b)), ("rmsnorm", None, (x, r, w))):
+        def op():
+            y, h = ops.add_dropout_norm(x, r, w, bias, kind=kind)
+            torch.autograd.backward((y, h), (dy, dh))
+        do_bench_spread(f"norm {kind} {m}x{n}{suffix}", op, leaves, rows)
+        if not compiled:
+            def eager():
+                h = x + r
+                y = (torch.nn.functional.layer_norm(h, (n,), w, bias) if kind == "layernorm"
+                     else torch.nn.functional.rms_norm(h, (n,), w))
+                torch.autograd.backward((y, h), (dy, dh))
+            do_bench_spread(f"eager {kind} {m}x{n}", eager, leaves, rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
     rows = []
+    spreads(rows)
     launch_costs(rows)
     for m, n in ((256, 768), (32768, 1024)):
         x, r = (torch.randn(m, n, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
@@ -337,6 +388,7 @@ def main():
             prof.disable()
     finally:
         launch.BoundLauncher.direct = real_direct
+    spreads(rows, compiled=True)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     print(buf.getvalue())
