@@ -214,7 +214,7 @@ class _ChunkedForTest(torch.autograd.Function):
     def backward(ctx, dy, dh):
         h, w, stats = ctx.saved_tensors
         is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg = ctx.args
-        dx, dr, dw, db = norm._backward(dy, dh, h, w, stats, is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg)
+        dx, dr, dw, db = norm._backward(dy, dh, h, w, stats, is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg=cfg)
         return dx, (dx if dr is None else dr), dw, db, None, None, None, None
 
 
@@ -345,6 +345,31 @@ def test_shared_gradient_does_not_alias_leaves():
     assert torch.equal(r.grad, before) and before.abs().sum() > 0
 
 
+@pytest.mark.parametrize("leaves", ["both leaves", "x a leaf", "no leaf"])
+def test_dresidual_written_beside_dx_only_for_leaves(leaves):
+    """Without dropout the backward hands one tensor to x and residual where neither is a leaf (no copy);
+    where one is, it writes dresidual itself (autograd would copy the shared one). The gradients match the
+    float64 reference either way, on the first call and on the repeat (the prepared path)."""
+    x0, r0, w, b = make(6, 40, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(5)
+    dy, dh = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g)
+    ref = run(add_dropout_norm_reference, [leaf(t, torch.float64) for t in (x0, r0, w, b)],
+              (dy.double(), dh.double()))
+    for _ in range(2):
+        xl, rl = leaf(x0), leaf(r0)
+        x = xl if leaves != "no leaf" else xl * 1.0
+        r = rl if leaves == "both leaves" else rl * 1.0
+        returned = []
+        with ops.use("triton"):
+            y, h = add_dropout_norm(x, r, leaf(w), leaf(b))
+        y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: returned.append(grad_inputs))
+        torch.autograd.backward([y, h], [dy, dh])
+        dx, dres = returned[0][0], returned[0][1]
+        assert (dx is dres) == (leaves == "no leaf")
+        for got, want in ((xl.grad, ref[2]), (rl.grad, ref[3])):
+            assert rel_err(got, want) < 1e-5
+
+
 def test_only_h_used_and_no_rows():
     """y unused (its gradient None): dx = dh; zero rows: empty outputs and zero weight gradients."""
     x, r, w, b = make(5, 40, torch.float32)
@@ -465,12 +490,13 @@ def test_custom_ops_pass_opcheck():
     for dh, res_dtype, bias_dtype in ((torch.randn_like(h), torch.float32, torch.float32), (None, None, None)):
         torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
                               (torch.randn_like(y), dh, h, w, stats, False, 0.1, 3, torch.float32, res_dtype,
-                               bias_dtype))
+                               bias_dtype, False))
     rms = torch.ops.tilewise.add_dropout_norm_fwd(x, None, w, None, True, 1e-5, 0.0, 0, torch.float32)
     assert rms[2].shape == (1, 5)
-    torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
-                          (torch.randn_like(y), torch.randn_like(h), rms[1], w, rms[2], True, 0.0, 0, torch.float32,
-                           torch.float32, None))
+    for split_dr in (False, True):      # dresidual written beside dx, or dx serving for both
+        torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
+                              (torch.randn_like(y), torch.randn_like(h), rms[1], w, rms[2], True, 0.0, 0,
+                               torch.float32, torch.float32, None, split_dr))
 
 
 def test_torch_compile_keeps_one_graph():
@@ -662,7 +688,7 @@ def test_prepared_calls_leave_every_other_call_to_the_general_path(interpreted_d
     strided = wide[:, ::2]
     assert not strided.is_contiguous()
     check_against_float64(x, r, w, b, kind="layernorm", grads=(strided, dh))
-    prepared = norm._PREPARED[norm._op_signature(x, r, w, b, "layernorm", 1e-5, None)]
+    prepared = norm._PREPARED[norm._op_signature(*[leaf(t) for t in (x, r, w, b)], "layernorm", 1e-5, None)]
     assert list(prepared.backward) == []
     check_against_float64(x, r, w, b, kind="layernorm", grads=(dy, dh))
     assert len(prepared.backward) == 1

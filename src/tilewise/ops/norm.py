@@ -632,15 +632,30 @@ def sum_partials(part, rows: int, dw, db=None):
     _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 if db is None else 2), part, dw, dw if db is None else db, rows, N)
 
 
-def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype):
+def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr):
     """A backward call's signature (see _CALLS) for contiguous dy and dh; h, stats and weight are the
     forward's (contiguous, h and stats aligned)."""
     return (False, h.shape, h.dtype, h.device, dy.dtype, dy.data_ptr() & 15,
             None if dh is None else (dh.dtype, dh.data_ptr() & 15), weight.dtype, weight.data_ptr() & 15,
-            is_rms, x_dtype, res_dtype, bias_dtype)
+            is_rms, x_dtype, res_dtype, bias_dtype, split_dr)
 
 
-def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
+def _separate_dr(p, x_dtype, res_dtype, split_dr) -> bool:
+    """Whether the backward writes dresidual beside dx: under dropout or in another dtype it differs from
+    dx; split_dr asks for it anyway (see _split_dr). Otherwise dx serves for both."""
+    return res_dtype is not None and (res_dtype != x_dtype or p != 0.0 or split_dr)
+
+
+def _split_dr(x, residual) -> bool:
+    """Whether x and residual both need a gradient and one of them is a leaf. Their gradients are one
+    tensor without dropout, which autograd copies (a read and a write of it) before accumulating it into a
+    leaf's .grad while the other still holds it; the row kernel writes the second one itself instead (a
+    write). Between two non-leaves (the blocks of a model) the shared tensor costs nothing."""
+    return (residual is not None and x.requires_grad and residual.requires_grad
+            and (x.grad_fn is None or residual.grad_fn is None))
+
+
+def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr=False,
               cfg: Optional[Config] = None):
     """dy, dh (may be None): the gradients arriving at y and h, in h's shape. Returns dx (in h's shape);
     dresidual (None where dx serves for it too, or there is no residual); dweight and dbias (None without a
@@ -649,14 +664,14 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
     dh = dh.contiguous() if dh is not None else None
     sig = None
     if cfg is None and p == 0.0:
-        sig = _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype)
+        sig = _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr)
         call = _CALLS.get(sig)
         if call:
             return call(dy, dh, h, weight, stats)
     N = h.shape[-1]
     M = h.numel() // N if N else 0
     dev = h.device
-    separate = res_dtype is not None and (res_dtype != x_dtype or p != 0.0)
+    separate = _separate_dr(p, x_dtype, res_dtype, split_dr)
     dx = torch.empty(h.shape, dtype=x_dtype, device=dev)
     dr = torch.empty(h.shape, dtype=res_dtype, device=dev) if separate else None
     if M == 0:
@@ -713,13 +728,15 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db):
                                                                                     1 if db is None else 2)
 
     def backward(dy, dh, h, weight, stats):
+        # the row kernel first, dweight's allocations while it runs: under a host-bound caller the GPU
+        # idles from the forward's end to this launch
         dx = dx_like.new_empty(shape)
         dr = dr_like.new_empty(shape) if dr_like is not None else None
-        dw = dw_like.new_empty((N,))
-        db = db_like.new_empty((N,)) if db_like is not None else None
         part = partial_rows(device, n_part)
         launch(grid, dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, part,
                *scalars)
+        dw = dw_like.new_empty((N,))
+        db = db_like.new_empty((N,)) if db_like is not None else None
         sums(sums_grid, part, dw, dw if db is None else db, programs, N)
         return dx, dr, dw, db
     return backward
@@ -746,15 +763,16 @@ def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
 @torch.library.custom_op("tilewise::add_dropout_norm_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor,
             is_rms: bool, p: float, seed: int, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
-            bias_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dr, dw, db = _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype)
+            bias_dtype: Optional[torch.dtype], split_dr: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dr, dw, db = _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr)
     return (dx, dr if dr is not None else h.new_empty(0, dtype=x_dtype), dw,
             db if db is not None else weight.new_empty(0))
 
 
 @_bwd_op.register_fake
-def _(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype):
-    separate = res_dtype is not None and (res_dtype != x_dtype or p != 0.0)
+def _(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr):
+    separate = _separate_dr(p, x_dtype, res_dtype, split_dr)
     return (h.new_empty(h.shape, dtype=x_dtype),
             h.new_empty(h.shape, dtype=res_dtype) if separate else h.new_empty(0, dtype=x_dtype),
             torch.empty_like(weight),
@@ -784,23 +802,24 @@ def _row_stride(t: torch.Tensor) -> int:
 
 def _input_grads(meta, dx, dr, dw, db):
     """The gradients of x, residual, weight and bias from the backward's dx, dr, dw, db."""
-    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = meta
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape, split_dr = meta
     if dx.shape != shape:
         dx = dx.view(shape)
     dres = None
     if res_dtype is not None:
-        # without dropout, in one dtype, dx is dresidual: the same tensor object goes to both, which
-        # autograd copies before accumulating it into two leaves' .grad (separate views would alias)
-        dres = dx if res_dtype == x_dtype and p == 0.0 else (dr if dr.shape == shape else dr.view(shape))
+        # without dropout, in one dtype and unsplit, dx is dresidual: the same tensor object goes to both
+        # (separate views of one buffer would alias two leaves' .grad)
+        dres = (dr if dr.shape == shape else dr.view(shape)) if _separate_dr(p, x_dtype, res_dtype, split_dr) \
+            else dx
     return dx, dres, dw, (db if bias_dtype is not None else None)
 
 
 def _general_backward(meta, dy, dh, h, weight, stats):
-    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape = meta
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape, split_dr = meta
     # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
     dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
     grads = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype, res_dtype,
-                 bias_dtype)
+                 bias_dtype, split_dr)
     return _input_grads(meta, *grads)
 
 
@@ -815,7 +834,7 @@ class AddDropoutNorm(torch.autograd.Function):
         ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)
         ctx.meta = (is_rms, p, seed, x.dtype, None if residual is None else residual.dtype,
-                    None if bias is None else bias.dtype, x.shape)
+                    None if bias is None else bias.dtype, x.shape, _split_dr(x, residual))
         if y.shape != x.shape:   # a strided x was copied to 2-D rows
             y, h = y.view(x.shape), h.view(x.shape)
         return y, h
@@ -846,7 +865,7 @@ def _op_signature(x, residual, weight, bias, kind, eps, residual_dtype):
                                            residual.data_ptr() & 15),
             weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
             None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
-            kind, eps, residual_dtype)
+            kind, eps, residual_dtype, _split_dr(x, residual))
 
 
 def _grad_layout(dy, dh):
@@ -876,8 +895,9 @@ class PreparedAddDropoutNorm(torch.autograd.Function):
                 return _input_grads(prepared.meta, *call(dy, dh, h, weight, stats)) + (None,)
         grads = _general_backward(prepared.meta, dy, dh, h, weight, stats)
         if layout is not None and dy.is_contiguous() and (dh is None or dh.is_contiguous()):
-            is_rms, _, _, x_dtype, res_dtype, bias_dtype, _ = prepared.meta
-            call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype))
+            is_rms, _, _, x_dtype, res_dtype, bias_dtype, _, split_dr = prepared.meta
+            call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype,
+                                                  split_dr))
             if call and len(prepared.backward) < 16:
                 prepared.backward[layout] = call
         return grads + (None,)
@@ -900,7 +920,7 @@ def _prepare(sig, x, residual, weight, bias, is_rms, eps, h_dtype):
     call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype))
     if call:
         _PREPARED[sig] = _Prepared(call, {}, (is_rms, 0.0, 0, x.dtype, None if residual is None else residual.dtype,
-                                              None if bias is None else bias.dtype, x.shape))
+                                              None if bias is None else bias.dtype, x.shape, _split_dr(x, residual)))
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
