@@ -1,0 +1,383 @@
+"""Flash-attention forward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma (prototype).
+
+Algorithm: the online softmax of attention.py's forward (base 2, log2(e) folded into the scale, the row max
+taken on the raw scores and scaled once per row), one program per (pair of query tiles, head, batch).
+
+Warp roles (gl.warp_specialize):
+- two consumer warpgroups (the default partition and worker 0, 4 warps each, most of the registers). Each
+  owns its own BLOCK_M-row query tile, the two side by side, and both read every K/V tile of the shared
+  ring. They run unsynchronized with each other, so the warp schedulers interleave one warpgroup's softmax
+  with the other's wgmma (a loose "ping-pong": no barrier forces the alternation).
+- one producer warp (worker 1, few registers): loads the two Q tiles once, then streams K and V tiles with
+  TMA into a STAGES-deep shared-memory ring. Each stage has four mbarriers: k_full / v_full (the TMA
+  transaction count, armed with expect) and k_free / v_free (count 2: one arrive per consumer warpgroup
+  when its wgmma has finished reading the tile). The producer waits on a stage's free barrier with the
+  opposite parity of its fill round, so the first round through the ring does not wait.
+
+Overlap inside a consumer warpgroup (FA3's intra-warpgroup pipelining): at key block j it issues the
+async wgmma S_j = Q K_j^T, then the async wgmma O += P_{j-1} V_{j-1} (P from registers), waits only for
+S_j (warpgroup_mma_wait(1)), runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores,
+then waits for it and rescales O. So the tensor cores always have the next GEMM queued during the exp2s.
+
+Masking: a key block is masked (by a branch, so the interior blocks pay nothing) when it reaches past the
+causal diagonal of the warpgroup's first row or past the end of the sequence. K/V tiles come from the
+(batch * seqlen, heads * head_dim) view, so the rows past a sequence's end are the next sequence's (or
+TMA's zero fill at the end of the tensor): their scores are set to -inf, so P is 0 there. Query rows past
+the end are computed from such rows and never stored.
+
+Supports: bf16 and fp16, head_dim 64 and 128, causal and non-causal, GQA (query head h reads KV head
+h // (heads_q // heads_kv)), seqlen_q == seqlen_k of any length, the dense layout only (no cu_seqlens, no
+sliding window), a positive softmax scale. Anything else: forward() raises ValueError (the caller falls
+back to attention.py).
+
+Conventions (matched to attention.py's dense forward, `_attn_forward` with cu_seqlens=None, which writes
+what `flash_attention(..., return_lse=True)` returns): q (batch, seqlen, heads_q, head_dim), k and v
+(batch, seqlen, heads_kv, head_dim), each with the heads of a token side by side and the rows of a
+sequence contiguous; o contiguous, q's shape and dtype; lse float32, natural log of the sum of
+exp(scores * softmax_scale), contiguous (batch, heads_q, seqlen_q), so attention.py's backward can
+consume (o, lse) as its own.
+
+The module imports on any Triton: without Gluon's Hopper API (or with another one) the kernel is not
+defined and available() says False.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernel undefined
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
+        if not hasattr(tma, _name):
+            raise ImportError(_name)
+    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
+        raise ImportError("warp_specialize")
+    _GLUON_ERROR = None
+except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
+    gluon = gl = None
+    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+
+# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default.
+CONFIGS = {
+    128: [(64, 128, 2), (64, 64, 3), (64, 128, 3), (64, 64, 4)],
+    64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3)],
+}
+# Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
+# elements show.
+_NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+
+
+if gl is not None:
+    try:
+        @gluon.jit
+        def _consumer(q_tile, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                      O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks
+            key blocks: S_j's wgmma and P_{j-1} V_{j-1}'s are in flight together, the softmax of S_j runs
+            under the latter."""
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N, 16])
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 16])
+            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+            dtype: gl.constexpr = q_tile.dtype
+
+            qpos = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+            cols = gl.arange(0, BLOCK_N, layout=col_s)
+            # a block is masked when its last key lies past this tile's first row (causal) or past the end
+            if CAUSAL:
+                limit = gl.minimum(row0 + 1, seqlen)
+            else:
+                limit = seqlen
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+            mbarrier.wait(q_bar, 0)
+
+            # key block 0: its scores and softmax, no P V in flight yet
+            mbarrier.wait(k_full.index(0), 0)
+            tok = warpgroup_mma(q_tile, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(tok, ))
+            mbarrier.arrive(k_free.index(0))
+            if BLOCK_N > limit:
+                kpos = cols
+                keep = gl.expand_dims(kpos, 0) < seqlen
+                if CAUSAL:
+                    keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                s = gl.where(keep, s, float("-inf"))
+            m_i = gl.max(s, 1) * qk_scale
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+            l_i = gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+
+            for j in range(1, n_blocks):
+                stage = j % STAGES
+                phase = (j // STAGES) & 1
+                prev = (j - 1) % STAGES
+                prev_phase = ((j - 1) // STAGES) & 1
+                mbarrier.wait(k_full.index(stage), phase)
+                s_tok = warpgroup_mma(q_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(v_full.index(prev), prev_phase)
+                o_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))   # S_j done, P_{j-1} V_{j-1} may still run
+                mbarrier.arrive(k_free.index(stage))
+                start_n = j * BLOCK_N
+                if start_n + BLOCK_N > limit:
+                    kpos = start_n + cols
+                    keep = gl.expand_dims(kpos, 0) < seqlen
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                    s = gl.where(keep, s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                p_next = gl.convert_layout(p.to(dtype), p_layout)
+                acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+                mbarrier.arrive(v_free.index(prev))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = p_next
+
+            last = (n_blocks - 1) % STAGES
+            mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_free.index(last))
+
+            # epilogue: O = acc / l, lse = (m + log2 l) ln 2, rows past the end not stored
+            l_o = gl.convert_layout(l_i, row_o)
+            out = acc * gl.expand_dims(1.0 / l_o, 1)
+            rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+            dcol = gl.arange(0, HEAD_DIM, layout=col_o)
+            row64 = (b * seqlen + rows).to(gl.int64)
+            o_ptrs = O + gl.expand_dims(row64 * (heads * HEAD_DIM) + h * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            o_mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
+            gl.store(o_ptrs, out.to(dtype), mask=o_mask)
+            lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+            lse_ptrs = LSE + (b * heads + h).to(gl.int64) * seqlen + rows
+            gl.store(lse_ptrs, lse, mask=rows < seqlen)
+
+        @gluon.jit
+        def _producer(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                      q_row, kv_row, kv_col, q_col, n_blocks,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            """The two Q tiles once, then K_j and V_j into stage j % STAGES once both consumers freed it."""
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_tiles.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_tiles.index(1))
+            for j in range(n_blocks):
+                stage = j % STAGES
+                free_phase = ((j // STAGES) & 1) ^ 1   # the first round finds every stage free
+                row = kv_row + j * BLOCK_N
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_full.index(stage), k_ring.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_full.index(stage), v_ring.index(stage))
+
+        @gluon.jit
+        def _attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, seqlen, heads, group, qk_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr):
+            """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
+            n_pairs = gl.num_programs(0)
+            pid = gl.program_id(0)
+            if CAUSAL:
+                pid = n_pairs - 1 - pid
+            h = gl.program_id(1)
+            b = gl.program_id(2)
+            hk = h // group
+            m0 = pid * (2 * BLOCK_M)
+            if CAUSAL:
+                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
+            else:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+
+            dtype: gl.constexpr = q_desc.dtype
+            q_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_full.index(i), count=1)
+                mbarrier.init(v_full.index(i), count=1)
+                mbarrier.init(k_free.index(i), count=2)   # one arrive per consumer warpgroup
+                mbarrier.init(v_free.index(i), count=2)
+            fence_async_shared()
+
+            row0 = m0
+            row1 = m0 + BLOCK_M
+            gl.warp_specialize([
+                (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                             O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                             O, LSE, row1, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                             v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
+                             BLOCK_M, BLOCK_N, STAGES)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+            mbarrier.invalidate(q_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(k_full.index(i))
+                mbarrier.invalidate(v_full.index(i))
+                mbarrier.invalidate(k_free.index(i))
+                mbarrier.invalidate(v_free.index(i))
+    except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
+        _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+        _attn_fwd_sm90 = None
+else:
+    _attn_fwd_sm90 = None
+
+
+def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
+    """The kernel compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16' or 'fp16', config as in
+    forward(). What bench/attention_sm90_sass.py inspects and available() tries once."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    if _attn_fwd_sm90 is None:
+        raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
+    bm, bn, stages = config if config is not None else CONFIGS[head_dim][0]
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], gdt)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
+                  PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
+    types = {"q_desc": f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>",
+             "k_desc": f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>",
+             "v_desc": f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>",
+             "O": f"*{dtype}", "LSE": "*fp32", "qk_scale": "fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(_attn_fwd_sm90.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
+    src = GluonASTSource(fn=_attn_fwd_sm90, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_builds() -> bool:
+    """Whether this Triton's Gluon builds the kernel (once, ahead of time: the API may differ from 3.6's)."""
+    try:
+        compile_sm90(128, False)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use attention.py
+        return False
+
+
+def available(device) -> bool:
+    """True on a CUDA sm_90 device whose Triton's Gluon builds this kernel (checked once per process)."""
+    device = torch.device(device)
+    if _attn_fwd_sm90 is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no driver, bad index
+        return False
+    return sm90 and _gluon_builds()
+
+
+def _check(q, k, v, causal, softmax_scale):
+    if _attn_fwd_sm90 is None:
+        raise ValueError(f"attention_sm90: Gluon's Hopper API is not available ({_GLUON_ERROR})")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError("attention_sm90: q, k, v must be tensors")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention_sm90: only the dense (batch, seqlen, heads, head_dim) layout is supported "
+                         "(no varlen / cu_seqlens)")
+    if not available(q.device) or k.device != q.device or v.device != q.device:
+        raise ValueError(f"attention_sm90: needs q, k, v on one CUDA sm_90 device, got {q.device}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention_sm90: only bf16 and fp16 (all three alike), got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    batch, seqlen, heads, d = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"attention_sm90: k, v shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q "
+                         f"{tuple(q.shape)}")
+    if k.shape[1] != seqlen:
+        raise ValueError(f"attention_sm90: seqlen_q != seqlen_k ({seqlen} != {k.shape[1]}) is not supported")
+    if d not in CONFIGS:
+        raise ValueError(f"attention_sm90: head_dim {d} is not supported (only {sorted(CONFIGS)})")
+    if heads % k.shape[2]:
+        raise ValueError(f"attention_sm90: heads_q {heads} is not a multiple of heads_kv {k.shape[2]}")
+    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention_sm90: softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise ValueError("attention_sm90: causal must be a bool (no sliding windows)")
+    if batch * seqlen * heads == 0:
+        raise ValueError("attention_sm90: empty inputs are not supported")
+    if batch > 65535 or heads > 65535:
+        raise ValueError(f"attention_sm90: batch {batch} or heads {heads} exceeds the grid's 65535")
+
+
+def _as_rows(t):
+    """The (batch * seqlen, heads * head_dim) view TMA tiles: contiguous heads and tokens, 16-byte rows."""
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t, t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+
+
+def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
+    """(o, lse) as attention.py's dense forward returns them: o like q (contiguous), lse float32 natural
+    log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES), default CONFIGS' first."""
+    _check(q, k, v, causal, softmax_scale)
+    batch, seqlen, heads, d = q.shape
+    bm, bn, stages = config if config is not None else CONFIGS[d][0]
+    q, q2 = _as_rows(q)
+    k, k2 = _as_rows(k)
+    v, v2 = _as_rows(v)
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
+    new = functools.partial(torch.full, fill_value=float("nan")) if _NAN_FILL else torch.empty
+    o = new(q.shape, dtype=q.dtype, device=q.device)
+    lse = new((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    grid = (-(-seqlen // (2 * bm)), heads, batch)
+    _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, heads // k.shape[2],
+                         softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
+                         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                         CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
+    return o, lse
