@@ -33,9 +33,12 @@ def _seed_and_no_tuning(monkeypatch):
 
 @pytest.fixture
 def tma(monkeypatch):
-    """Select the load path: 'ptr' or 'tma' (host tensor descriptors; the interpreter runs them too)."""
+    """Select the Triton kernels' load path, 'ptr' or 'tma' (host tensor descriptors; the interpreter runs
+    them too), or 'gluon': descriptors, and the Gluon forward (attention_sm90) on the padded-batch calls it
+    covers on sm_90. 'ptr' and 'tma' keep every call on the Triton kernels."""
     def select(path):
-        monkeypatch.setenv("TILEWISE_ATTN_TMA", "1" if path == "tma" else "0")
+        monkeypatch.setenv("TILEWISE_ATTN_TMA", "0" if path == "ptr" else "1")
+        monkeypatch.setattr(attn, "_GLUON_FORWARD", path == "gluon")
     return select
 
 
@@ -559,17 +562,44 @@ def test_devices_differ_raises():
 # Few distinct (head_dim, mask, load path) keys: each compiles three kernels.
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "gluon"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_real_size(causal, tma):
-    tma("tma")
+def test_gpu_real_size(causal, path, tma):
+    tma(path)
     check(*qkv(2, 2048, 2048, 16, 16, 128, device="cuda"), causal=causal)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "gluon"])
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
-def test_gpu_head_dims_gqa(head_dim, tma):
-    tma("tma")  # 96 is not a power of two: the pointer path
+def test_gpu_head_dims_gqa(head_dim, path, tma):
+    tma(path)  # 96 is not a power of two: the pointer path; Gluon takes head_dim 64 only of these
     check(*qkv(2, 1000, 1000, 8, 2, head_dim, device="cuda"), causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_forward_takes_the_calls_it_covers(tma, monkeypatch):
+    """flash_attention's forward goes to attention_sm90 for a dense causal or full call with equal lengths,
+    fused-QKV views included (no copy); windows, unequal lengths and head_dim 96 stay on the Triton kernel.
+    Either way the results match the float64 reference (check)."""
+    from tilewise.ops import attention_sm90
+    if not attention_sm90.available("cuda"):
+        pytest.skip(f"no Gluon forward here ({attention_sm90._GLUON_ERROR})")
+    tma("gluon")
+    calls = []
+    real = attention_sm90.forward
+    monkeypatch.setattr(attention_sm90, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def taken(q, k, v, **kw):
+        before = len(calls)
+        check(q, k, v, **kw)
+        return len(calls) > before
+    fused = _rand(2, 777, 12, 128, dtype=torch.bfloat16, device="cuda")
+    assert taken(*fused.split([8, 2, 2], dim=2), causal=True)
+    assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda"))
+    assert not taken(*qkv(1, 300, 300, 4, 4, 128, device="cuda"), window=(64, 0))
+    assert not taken(*qkv(1, 200, 300, 4, 4, 128, device="cuda"), causal=True)
+    assert not taken(*qkv(1, 300, 300, 4, 4, 96, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -592,8 +622,9 @@ def test_gpu_varlen_fused_qkv(tma):
 
 @pytest.mark.gpu
 def test_gpu_qkv_entry_point_matches_split_views(tma):
-    """At the 1.3B preset's shape (16 heads, head_dim 128, N 2048): bitwise the split views' results."""
-    tma("tma")
+    """At the 1.3B preset's shape (16 heads, head_dim 128, N 2048): bitwise the split views' results (the
+    Gluon forward tiles the views in place)."""
+    tma("gluon")
     qkv = _rand(2, 2048, 48, 128, dtype=torch.bfloat16, device="cuda")
     dout = torch.randn(2, 2048, 16, 128, device="cuda")
     got, _ = _grads(lambda t: flash_attention_qkv(t, 16, causal=True), (qkv,), dout)

@@ -24,6 +24,10 @@ Flash attention: the N x N scores never reach HBM.
 - Bytes: forward reads Q and writes O once (plus 4 bytes of LSE per row) and reads K, V once per query
   block, mostly from L2; backward reads Q, K, V, O, dO and writes dQ, dK, dV, re-reading per block in the
   same way. Memory is O(N): no N x N tensor is kept.
+- Hopper: on sm_90 the forward of a padded batch without a window, with equal query and key lengths, a
+  16-bit dtype and head_dim 64 or 128 runs attention_sm90's Gluon kernel instead (a TMA producer warp,
+  two consumer warpgroups, the softmax under the P V wgmma; same O and LSE conventions, so the backward
+  below is shared). TILEWISE_ATTN_GLUON=0 keeps it on the Triton kernel, the one the interpreter runs.
 - Loads: when the layout allows it (CUDA sm90+, 16-bit dtype, head_dim a power of two, the heads of a token
   side by side) K, V, Q and dO tiles come through host TMA tensor descriptors; otherwise (and with
   TILEWISE_ATTN_TMA=0) through masked pointer loads. Both are the same kernels (USE_TMA constexpr), and the
@@ -71,6 +75,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from . import attention_sm90
 from .dispatch import INTERPRET as _INTERPRET, use_triton
 from .launch import FastLauncher
 
@@ -983,11 +988,29 @@ def _direct_launch(kern, key, use_tma, args, grid, n_lead):
     return launch, grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn
 
 
+# The Gluon forward (attention_sm90) takes the padded-batch calls it covers on sm_90; TILEWISE_ATTN_GLUON=0
+# keeps every call on the Triton kernel below, which is also what the interpreter and CI run.
+_GLUON_FORWARD = os.environ.get("TILEWISE_ATTN_GLUON", "1") != "0"
+
+
+def _gluon_forward_applies(q, k, v, softmax_scale, left, right) -> bool:
+    """Whether attention_sm90.forward computes this padded-batch call: no window (causal or not), equal
+    sequence lengths, a 16-bit dtype, head_dim 64 or 128, a positive scale, and token rows TMA can tile in
+    place (see attention_sm90.token_rows)."""
+    return (_GLUON_FORWARD and left < 0 and right <= 0 and q.is_cuda and q.shape[1] == k.shape[1]
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in attention_sm90.CONFIGS
+            and softmax_scale > 0 and q.numel() > 0 and q.shape[0] <= _MAX_GRID_YZ
+            and q.shape[2] <= _MAX_GRID_YZ and all(attention_sm90.token_rows(t) is not None for t in (q, k, v))
+            and attention_sm90.available(q.device))
+
+
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
     """O (contiguous, q's dtype) and LSE (float32, natural log). A padded batch's call signature seen before
     launches through its plan (_forward_plan): the Python below, a third of the forward's host time on the
     H200's host, runs once per signature."""
     sig = None
+    if cu_seqlens is None and _gluon_forward_applies(q, k, v, softmax_scale, left, right):
+        return attention_sm90.forward(q, k, v, causal=right == 0, softmax_scale=softmax_scale)
     if cu_seqlens is None:
         sig = _forward_signature(q, k, v, softmax_scale, left, right)
         plan = _FWD.plans.get(sig)

@@ -350,11 +350,25 @@ def _check(q, k, v, causal, softmax_scale):
         raise ValueError(f"attention_sm90: batch {batch} or heads {heads} exceeds the grid's 65535")
 
 
+def token_rows(t):
+    """t (batch, seqlen, heads, head_dim) as the (batch * seqlen, heads * head_dim) matrix TMA tiles, without
+    a copy: the heads of a token side by side, tokens at one stride (a fused QKV projection's views too),
+    16-byte aligned. None when the layout does not allow it."""
+    b, n, h, d = t.shape
+    s0, s1, s2, s3 = t.stride()
+    size = t.element_size()
+    if s3 != 1 or (s2 != d and h > 1) or (s0 != n * s1 and b > 1) or (s1 * size) % 16 or t.data_ptr() % 16:
+        return None
+    return t.as_strided((b * n, h * d), (s1, 1))
+
+
 def _as_rows(t):
-    """The (batch * seqlen, heads * head_dim) view TMA tiles: contiguous heads and tokens, 16-byte rows."""
-    if not t.is_contiguous() or t.data_ptr() % 16:
+    """t and its token_rows matrix, copied to a contiguous tensor first where its layout does not allow one."""
+    rows = token_rows(t)
+    if rows is None:
         t = t.contiguous() if not t.is_contiguous() else t.clone()
-    return t, t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+        rows = token_rows(t)
+    return t, rows
 
 
 def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
