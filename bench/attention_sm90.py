@@ -39,8 +39,10 @@ def time_ms(triton, fn, rep):
 
 
 def baselines(torch, F):
-    from tilewise.ops.attention import flash_attention
-    out = {"triton": lambda q, k, v, c, s: flash_attention(q, k, v, causal=c, softmax_scale=s, return_lse=True)}
+    from tilewise.ops import attention
+    attention._GLUON_FORWARD = False    # flash_attention would run the Gluon kernel itself: the Triton one here
+    out = {"triton": lambda q, k, v, c, s: attention.flash_attention(q, k, v, causal=c, softmax_scale=s,
+                                                                     return_lse=True)}
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
