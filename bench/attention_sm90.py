@@ -102,6 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for attention_sm90.json")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms (default 100)")
     p.add_argument("--aot-only", action="store_true", help="only the ahead-of-time sm_90 build report (no GPU)")
+    p.add_argument("--shapes", default=None, metavar="B,N,H,D;...",
+                   help="shapes (batch, seqlen, heads, head_dim) instead of SHAPES, e.g. the presets' "
+                        "32,1024,12,64;8,2048,16,128")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--configs", default=None, metavar="BM,BN,STAGES;...",
                    help="configs to try instead of attention_sm90.CONFIGS (applied to both head_dims)")
     args = p.parse_args(argv)
@@ -130,8 +134,9 @@ def main(argv=None) -> int:
     custom = None
     if args.configs:
         custom = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
-    for shape in SHAPES:
-        for causal in (False, True):
+    shapes = [tuple(int(x) for x in c.split(",")) for c in args.shapes.split(";")] if args.shapes else SHAPES
+    for shape in shapes:
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
             print(f"{shape} causal={causal}", flush=True)
             configs = custom or a9.CONFIGS[shape[3]]
             result["cells"].append(run_cell(torch, F, triton, a9, shape, causal, args.rep, configs))

@@ -371,6 +371,13 @@ def _as_rows(t):
     return t, rows
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layouts(bm, bn, d, dtype):
+    """The Q and K/V tiles' shared-memory layouts (built once: each call of get_default_for is host time)."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([bm, d], gdt), gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+
+
 def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
     """(o, lse) as attention.py's dense forward returns them: o like q (contiguous), lse float32 natural
     log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES), default CONFIGS' first."""
@@ -380,9 +387,7 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
     q, q2 = _as_rows(q)
     k, k2 = _as_rows(k)
     v, v2 = _as_rows(v)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    q_layout, kv_layout = _smem_layouts(bm, bn, d, q.dtype)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
