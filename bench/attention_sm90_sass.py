@@ -93,11 +93,15 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--json", action="store_true", help="one JSON list on the last line")
+    p.add_argument("--configs", default=None, metavar="BM,BN,STAGES[,PINGPONG];...",
+                   help="these configs instead of CONFIGS' (for every head_dim)")
     args = p.parse_args(argv)
     from tilewise.ops import attention_sm90 as a9
     out, bad = [], 0
     for d in map(int, args.head_dims.split(",")):
         cfgs = a9.CONFIGS[d] if args.all_configs else a9.CONFIGS[d][:1]
+        if args.configs:
+            cfgs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
         for cfg in cfgs:
             for causal in (False, True):
                 for dtype in args.dtypes.split(","):

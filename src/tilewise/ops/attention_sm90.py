@@ -66,7 +66,8 @@ except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (A
     gluon = gl = None
     _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
 
-# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default.
+# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default. A fourth
+# element 1 turns on PINGPONG (see _consumer), not yet measured on the GPU: no default uses it.
 CONFIGS = {
     128: [(64, 128, 2), (64, 64, 3), (64, 128, 3), (64, 64, 4)],
     64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3)],
@@ -82,13 +83,17 @@ CONSUMER_REGS = 240
 if gl is not None:
     try:
         @gluon.jit
-        def _consumer(q_tile, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+        def _consumer(q_tile, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free, my_turn, other_turn,
                       O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      FIRST: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks
             key blocks: S_j's wgmma and P_{j-1} V_{j-1}'s are in flight together, the softmax of S_j runs
-            under the latter."""
+            under the latter. With PINGPONG the two warpgroups take turns issuing their wgmmas (batch j of
+            the FIRST one, then batch j of the other, ...; the tensor cores run them in that order), so
+            one's softmax falls under the other's GEMMs: before its batch j a warpgroup waits on my_turn for
+            the other's batch j - 1 (FIRST) or j, after it arrives on other_turn."""
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -113,7 +118,11 @@ if gl is not None:
 
             # key block 0: its scores and softmax, no P V in flight yet
             mbarrier.wait(k_full.index(0), 0)
+            if PINGPONG and not FIRST:
+                mbarrier.wait(my_turn, 0)
             tok = warpgroup_mma(q_tile, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=(tok, ))
             mbarrier.arrive(k_free.index(0))
             if BLOCK_N > limit:
@@ -134,10 +143,14 @@ if gl is not None:
                 prev = (j - 1) % STAGES
                 prev_phase = ((j - 1) // STAGES) & 1
                 mbarrier.wait(k_full.index(stage), phase)
+                mbarrier.wait(v_full.index(prev), prev_phase)
+                if PINGPONG:
+                    mbarrier.wait(my_turn, (j - FIRST) & 1)
                 s_tok = warpgroup_mma(q_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
                                       is_async=True)
-                mbarrier.wait(v_full.index(prev), prev_phase)
                 o_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(other_turn)
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))   # S_j done, P_{j-1} V_{j-1} may still run
                 mbarrier.arrive(k_free.index(stage))
                 start_n = j * BLOCK_N
@@ -160,7 +173,11 @@ if gl is not None:
 
             last = (n_blocks - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(my_turn, (n_blocks - FIRST) & 1)
             o_tok = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
             acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
             mbarrier.arrive(v_free.index(last))
 
@@ -199,7 +216,7 @@ if gl is not None:
         @gluon.jit
         def _attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, seqlen, heads, group, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
@@ -225,7 +242,10 @@ if gl is not None:
             v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # see _consumer
             mbarrier.init(q_bar, count=1)
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
             for i in gl.static_range(STAGES):
                 mbarrier.init(k_full.index(i), count=1)
                 mbarrier.init(v_full.index(i), count=1)
@@ -237,17 +257,19 @@ if gl is not None:
             row1 = m0 + BLOCK_M
             gl.warp_specialize([
                 (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                             O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                             turn.index(0), turn.index(1), O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True)),
                 (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                             O, LSE, row1, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                             turn.index(1), turn.index(0), O, LSE, row1, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, False)),
                 (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
                              v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
                              BLOCK_M, BLOCK_N, STAGES)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(q_bar)
+            mbarrier.invalidate(turn.index(0))
+            mbarrier.invalidate(turn.index(1))
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(k_full.index(i))
                 mbarrier.invalidate(v_full.index(i))
@@ -268,11 +290,11 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     from triton.experimental.gluon._runtime import GluonASTSource
     if _attn_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
-    bm, bn, stages = config if config is not None else CONFIGS[head_dim][0]
+    bm, bn, stages, pingpong = _config(config, head_dim)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], gdt)
     kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], gdt)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
     types = {"q_desc": f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>",
              "k_desc": f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>",
@@ -378,12 +400,20 @@ def _smem_layouts(bm, bn, d, dtype):
     return gl.NVMMASharedLayout.get_default_for([bm, d], gdt), gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
 
 
+def _config(config, head_dim):
+    """(BLOCK_M, BLOCK_N, STAGES, PINGPONG) of a config (BLOCK_M, BLOCK_N, STAGES[, PINGPONG]), or of the
+    head_dim's default."""
+    bm, bn, stages, *pingpong = config if config is not None else CONFIGS[head_dim][0]
+    return bm, bn, stages, bool(pingpong and pingpong[0])
+
+
 def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
     """(o, lse) as attention.py's dense forward returns them: o like q (contiguous), lse float32 natural
-    log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES), default CONFIGS' first."""
+    log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, PINGPONG]), default
+    CONFIGS' first (PINGPONG off)."""
     _check(q, k, v, causal, softmax_scale)
     batch, seqlen, heads, d = q.shape
-    bm, bn, stages = config if config is not None else CONFIGS[d][0]
+    bm, bn, stages, pingpong = _config(config, d)
     q, q2 = _as_rows(q)
     k, k2 = _as_rows(k)
     v, v2 = _as_rows(v)
@@ -397,6 +427,6 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
     grid = (-(-seqlen // (2 * bm)), heads, batch)
     _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, heads // k.shape[2],
                          softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-                         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                         PINGPONG=pingpong, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
                          CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
     return o, lse
