@@ -1,0 +1,632 @@
+"""Flash-attention backward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma (prototype).
+
+Replaces the two main kernels of attention.py's backward for the dense layout, `_attn_bwd_dkdv` and
+`_attn_bwd_dq`; attention.py's own prep kernel (`_bwd_prep`, through its launcher `_backward_prep`) still
+writes their inputs. The 7-GEMM split is kept (no atomics, bitwise repeatable gradients): Triton 3.6's
+Gluon Hopper TMA module has no reduce-add copy (tma has async_copy_global_to_shared,
+async_copy_shared_to_global, store_wait, make_tensor_descriptor only), and attention.py measured an
+fp32-reduce dQ slower on the H200 (its module docstring).
+
+Math (attention.py's, in base 2): with c = softmax_scale * log2(e), lse2 = lse * log2(e) (+inf for a row that
+sees no key) and delta = rowsum(dO * O) (minus dLSE), both float32 (batch, heads_q, seqlen) from the prep:
+P = exp2(S c - lse2), dP = dO V^T, dS = P * (dP - delta), dV = P^T dO, dK = dS^T Q * softmax_scale,
+dQ = dS K * softmax_scale.
+
+dK/dV kernel (`_attn_bwd_dkdv_sm90`), one program per (pair of BLOCK_N-row key tiles, kv head, batch):
+- two consumer warpgroups (default partition and worker 0, 4 warps each): each owns one BLOCK_N-row K/V
+  tile (the two side by side) and its dK, dV accumulators, and works in the transposed (key, query) frame:
+  S^T = K Q_i^T, dP^T = V dO_i^T (A from shared memory, B the transposed Q / dO tile), P^T and dS^T in
+  registers, dV += P^T dO_i and dK += dS^T Q_i (A from registers). Both read every Q/dO tile of one ring.
+- one producer warp (worker 1): loads the two K and V tiles once, then streams (Q_i, dO_i) tiles with TMA
+  into a STAGES-deep ring: for GQA over the query blocks of every query head of the kv head's group, in one
+  flat loop (as attention.py's `_dkdv_blocks`), so dK, dV are summed over the group in registers. Each stage
+  has q_full, do_full (TMA transaction counts) and one free barrier (count 2: an arrive per consumer when
+  its four GEMMs of the stage are done). The producer waits on free with the opposite parity of its round.
+- overlap in a consumer: S^T_i and dP^T_i are issued together; the exp2 of P^T_i runs while dP^T_i is on
+  the tensor cores; dV += P^T_i dO_i is issued before dS^T_i is computed, so dS^T_i runs under it; then
+  dK += dS^T_i Q_i. The two warpgroups run unsynchronized, so one's CUDA-core work overlaps the other's
+  wgmmas (as in attention_sm90.py's forward).
+- lse2 / delta of the query block are read by the consumers with plain loads issued before the GEMMs
+  (64 floats each, from L2).
+
+dQ kernel (`_attn_bwd_dq_sm90`), one program per (pair of BLOCK_M-row query tiles, head, batch):
+- two consumer warpgroups, each with its own Q and dO tile (loaded once) and dQ accumulator; one producer
+  warp streaming (K_j, V_j) into a ring with k_full / v_full / k_free / v_free (the forward's scheme).
+- per key block: S = Q K_j^T and dP = dO V_j^T issued together, P under dP, dS, dQ += dS K_j.
+
+Masking: as the forward, by a branch on the boundary blocks only (causal diagonal, ragged end). In the dK/dV
+kernel query rows past the end get lse2 = +inf (P = 0) and are masked; key rows past the end (the next
+sequence's rows or TMA's zero fill) are computed and never stored. In the dQ kernel key columns past the end
+are masked to P = 0; query rows past the end are never stored.
+
+Supports: bf16 and fp16, head_dim 64 and 128, causal and non-causal, GQA (query head h uses kv head
+h // (heads_q // heads_kv); dK, dV summed over the group), seqlen_q == seqlen_k of any length, the dense layout
+only (no cu_seqlens, no sliding window, no dLSE), a positive softmax scale. Anything else raises ValueError
+naming it (the caller falls back to attention.py).
+
+Conventions (attention.py's `_attn_backward` with cu_seqlens=None): q, dout, o (batch, seqlen, heads_q,
+head_dim), k, v (batch, seqlen, heads_kv, head_dim), lse float32 natural log (batch, heads_q, seqlen); dq, dk,
+dv contiguous, the inputs' shapes and dtype.
+
+The module imports on any Triton: without Gluon's Hopper API (or with another one) the kernels are not defined
+and available() says False.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernels undefined
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
+        if not hasattr(tma, _name):
+            raise ImportError(_name)
+    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
+        raise ImportError("warp_specialize")
+    _GLUON_ERROR = None
+except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
+    gluon = gl = None
+    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+
+# dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES);
+# dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES). The first is the default.
+CONFIGS = {
+    "dkdv": {128: [(64, 64, 2), (64, 32, 4)],
+             64: [(64, 64, 3), (64, 128, 2), (64, 64, 4)]},
+    "dq": {128: [(64, 64, 3), (64, 64, 2), (64, 128, 2)],
+           64: [(64, 64, 3), (64, 128, 3), (64, 64, 4)]},
+}
+# Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
+# elements show.
+_NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+
+
+if gl is not None:
+    try:
+        # ------------------------------------------------------------------------------------------
+        # dK / dV
+        # ------------------------------------------------------------------------------------------
+        @gluon.jit
+        def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_full, do_full, free,
+                           DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, heads_kv, h0, q_lo, n_iter,
+                           qk_scale, softmax_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                           STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            """One warpgroup's key tile (keys key0 .. key0 + BLOCK_N of sequence b, kv head hk) over n_iter
+            (query head, query block) pairs of the ring, in the transposed frame."""
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_M, 16])
+            g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 16])
+            op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+            col_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+            dtype: gl.constexpr = k_tile.dtype
+
+            kpos = key0 + gl.arange(0, BLOCK_N, layout=row_s)
+            cols = gl.arange(0, BLOCK_M, layout=col_s)
+            zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+            inv_scale = 1.0 / qk_scale
+            # a query block is masked when its first query lies before this tile's last key (causal) or its
+            # last row past the end
+            if CAUSAL:
+                first_clean = key0 + BLOCK_N - 1
+            else:
+                first_clean = 0
+
+            mbarrier.wait(kv_bar, 0)
+            # the ring position and the (query head, query block) pair advance by counters, not divisions
+            stage = 0
+            phase = 0
+            start_m = q_lo
+            lrow = ((b * heads + h0) * seqlen).to(gl.int64)
+            for it in range(n_iter):
+                qpos = start_m + cols
+                in_seq = qpos < seqlen
+                # -lse2 / c and -delta start the S^T and dP^T accumulators, so the two vectors (16 registers
+                # each in this column layout) are not live across the GEMMs
+                # (both made before the first issue: written between the issues, ptxas waited for S^T first)
+                lse2 = gl.load(LSE2 + lrow + qpos, mask=in_seq, other=float("inf"))
+                delta = gl.load(DELTA + lrow + qpos, mask=in_seq, other=0.0)
+                s_init = zero_s - gl.expand_dims(lse2 * inv_scale, 0)
+                dp_init = zero_s - gl.expand_dims(delta, 0)
+
+                mbarrier.wait(q_full.index(stage), phase)
+                s_tok = warpgroup_mma(k_tile, q_ring.index(stage).permute((1, 0)), s_init, is_async=True)
+                mbarrier.wait(do_full.index(stage), phase)
+                dp_tok = warpgroup_mma(v_tile, do_ring.index(stage).permute((1, 0)), dp_init, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))          # S^T - lse2 / c done, dP^T may still run
+                p = gl.exp2(s * qk_scale)
+                if (start_m < first_clean) | (start_m + BLOCK_M > seqlen):
+                    keep = gl.expand_dims(in_seq, 0)
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 1) <= gl.expand_dims(qpos, 0))
+                    p = gl.where(keep, p, 0.0)
+                p_op = gl.convert_layout(p.to(dtype), op_layout)
+                dv_tok = warpgroup_mma(p_op, do_ring.index(stage), dv, is_async=True)
+                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))        # dP^T - delta done, dV may still run
+                ds = p * dp
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dk_tok = warpgroup_mma(ds_op, q_ring.index(stage), dk, is_async=True)
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                mbarrier.arrive(free.index(stage))
+                stage += 1
+                if stage == STAGES:
+                    stage = 0
+                    phase ^= 1
+                start_m += BLOCK_M
+                if start_m >= seqlen:   # the next query head of the group
+                    start_m = q_lo
+                    lrow += seqlen
+
+            rows = key0 + gl.arange(0, BLOCK_N, layout=row_g)
+            dcol = gl.arange(0, HEAD_DIM, layout=col_g)
+            row64 = (b * seqlen + rows).to(gl.int64)
+            offs = gl.expand_dims(row64 * (heads_kv * HEAD_DIM) + hk * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
+            gl.store(DV + offs, dv.to(dtype), mask=mask)
+            gl.store(DK + offs, (dk * softmax_scale).to(dtype), mask=mask)
+
+        @gluon.jit
+        def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
+                           q_full, do_full, free, kv_row, kv_col, q_row, h0, q_lo, seqlen_q, n_iter,
+                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                           STAGES: gl.constexpr):
+            """The two K and V tiles once, then (Q, dO) of (head h0 + g, query block) into stage it % STAGES once
+            both consumers freed it."""
+            mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_tiles.index(0))
+            tma.async_copy_global_to_shared(k_desc, [kv_row + BLOCK_N, kv_col], kv_bar, k_tiles.index(1))
+            tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_tiles.index(0))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + BLOCK_N, kv_col], kv_bar, v_tiles.index(1))
+            stage = 0
+            free_phase = 1   # the first round finds every stage free
+            start_m = q_lo
+            col = h0 * HEAD_DIM
+            for it in range(n_iter):
+                row = q_row + start_m
+                mbarrier.wait(free.index(stage), free_phase)
+                mbarrier.expect(q_full.index(stage), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row, col], q_full.index(stage), q_ring.index(stage))
+                mbarrier.expect(do_full.index(stage), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row, col], do_full.index(stage), do_ring.index(stage))
+                stage += 1
+                if stage == STAGES:
+                    stage = 0
+                    free_phase ^= 1
+                start_m += BLOCK_M
+                if start_m >= seqlen_q:   # the next query head of the group
+                    start_m = q_lo
+                    col += HEAD_DIM
+
+        @gluon.jit
+        def _attn_bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE2, DELTA,
+                                seqlen, heads, heads_kv, group, qk_scale, softmax_scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                                STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr):
+            """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first."""
+            pid = gl.program_id(0)
+            hk = gl.program_id(1)
+            b = gl.program_id(2)
+            h0 = hk * group
+            n0 = pid * (2 * BLOCK_N)
+            if CAUSAL:
+                q_lo = (n0 // BLOCK_M) * BLOCK_M
+            else:
+                q_lo = 0
+            n_q = gl.cdiv(seqlen - q_lo, BLOCK_M)
+            n_iter = n_q * group
+
+            dtype: gl.constexpr = q_desc.dtype
+            k_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(q_full.index(i), count=1)
+                mbarrier.init(do_full.index(i), count=1)
+                mbarrier.init(free.index(i), count=2)   # one arrive per consumer warpgroup
+            fence_async_shared()
+
+            key0 = n0
+            key1 = n0 + BLOCK_N
+            gl.warp_specialize([
+                (_dkdv_consumer, (k_tiles.index(0), v_tiles.index(0), q_ring, do_ring, kv_bar, q_full, do_full,
+                                  free, DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, heads_kv, h0, q_lo,
+                                  n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, CAUSAL)),
+                (_dkdv_consumer, (k_tiles.index(1), v_tiles.index(1), q_ring, do_ring, kv_bar, q_full, do_full,
+                                  free, DK, DV, LSE2, DELTA, key1, seqlen, b, hk, heads, heads_kv, h0, q_lo,
+                                  n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, CAUSAL)),
+                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
+                                  q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
+                                  seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+            mbarrier.invalidate(kv_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(q_full.index(i))
+                mbarrier.invalidate(do_full.index(i))
+                mbarrier.invalidate(free.index(i))
+
+        # ------------------------------------------------------------------------------------------
+        # dQ
+        # ------------------------------------------------------------------------------------------
+        @gluon.jit
+        def _dq_consumer(q_tile, do_tile, k_ring, v_ring, qdo_bar, k_full, v_full, k_free, v_free,
+                         DQ, LSE2, DELTA, row0, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks key
+            blocks."""
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N, 16])
+            g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 16])
+            op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+            col_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+            dtype: gl.constexpr = q_tile.dtype
+
+            qpos = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+            cols = gl.arange(0, BLOCK_N, layout=col_s)
+            lrow = ((b * heads + h) * seqlen).to(gl.int64)
+            lse2 = gl.load(LSE2 + lrow + qpos, mask=qpos < seqlen, other=float("inf"))
+            delta = gl.load(DELTA + lrow + qpos, mask=qpos < seqlen, other=0.0)
+            # a block is masked when its last key lies past this tile's first row (causal) or past the end
+            if CAUSAL:
+                limit = gl.minimum(row0 + 1, seqlen)
+            else:
+                limit = seqlen
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+
+            mbarrier.wait(qdo_bar, 0)
+            for j in range(n_blocks):
+                stage = j % STAGES
+                phase = (j // STAGES) & 1
+                mbarrier.wait(k_full.index(stage), phase)
+                s_tok = warpgroup_mma(q_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(v_full.index(stage), phase)
+                dp_tok = warpgroup_mma(do_tile, v_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))          # S done, dP may still run
+                p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+                start_n = j * BLOCK_N
+                if start_n + BLOCK_N > limit:
+                    kpos = start_n + cols
+                    keep = gl.expand_dims(kpos, 0) < seqlen
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                    p = gl.where(keep, p, 0.0)
+                dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                mbarrier.arrive(v_free.index(stage))
+                ds = p * (dp - gl.expand_dims(delta, 1))
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dq_tok = warpgroup_mma(ds_op, k_ring.index(stage), dq, is_async=True)
+                dq, ds_op = warpgroup_mma_wait(0, deps=(dq_tok, ds_op))
+                mbarrier.arrive(k_free.index(stage))
+
+            rows = row0 + gl.arange(0, BLOCK_M, layout=row_g)
+            dcol = gl.arange(0, HEAD_DIM, layout=col_g)
+            row64 = (b * seqlen + rows).to(gl.int64)
+            ptrs = DQ + gl.expand_dims(row64 * (heads * HEAD_DIM) + h * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
+            gl.store(ptrs, (dq * softmax_scale).to(dtype), mask=mask)
+
+        @gluon.jit
+        def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring, qdo_bar,
+                         k_full, v_full, k_free, v_free, q_row, q_col, kv_row, kv_col, n_blocks,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            """The two Q and dO tiles once, then K_j and V_j into stage j % STAGES once both consumers freed it."""
+            mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], qdo_bar, q_tiles.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], qdo_bar, q_tiles.index(1))
+            tma.async_copy_global_to_shared(do_desc, [q_row, q_col], qdo_bar, do_tiles.index(0))
+            tma.async_copy_global_to_shared(do_desc, [q_row + BLOCK_M, q_col], qdo_bar, do_tiles.index(1))
+            for j in range(n_blocks):
+                stage = j % STAGES
+                free_phase = ((j // STAGES) & 1) ^ 1   # the first round finds every stage free
+                row = kv_row + j * BLOCK_N
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_full.index(stage), k_ring.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_full.index(stage), v_ring.index(stage))
+
+        @gluon.jit
+        def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA,
+                              seqlen, heads, group, qk_scale, softmax_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                              PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr):
+            """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
+            n_pairs = gl.num_programs(0)
+            pid = gl.program_id(0)
+            if CAUSAL:
+                pid = n_pairs - 1 - pid
+            h = gl.program_id(1)
+            b = gl.program_id(2)
+            hk = h // group
+            m0 = pid * (2 * BLOCK_M)
+            if CAUSAL:
+                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
+            else:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+
+            dtype: gl.constexpr = q_desc.dtype
+            q_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+            k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+            qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(qdo_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_full.index(i), count=1)
+                mbarrier.init(v_full.index(i), count=1)
+                mbarrier.init(k_free.index(i), count=2)   # one arrive per consumer warpgroup
+                mbarrier.init(v_free.index(i), count=2)
+            fence_async_shared()
+
+            row0 = m0
+            row1 = m0 + BLOCK_M
+            gl.warp_specialize([
+                (_dq_consumer, (q_tiles.index(0), do_tiles.index(0), k_ring, v_ring, qdo_bar, k_full, v_full,
+                                k_free, v_free, DQ, LSE2, DELTA, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                                softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                (_dq_consumer, (q_tiles.index(1), do_tiles.index(1), k_ring, v_ring, qdo_bar, k_full, v_full,
+                                k_free, v_free, DQ, LSE2, DELTA, row1, seqlen, b, h, heads, n_blocks, qk_scale,
+                                softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring, qdo_bar,
+                                k_full, v_full, k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen,
+                                hk * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+            mbarrier.invalidate(qdo_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(k_full.index(i))
+                mbarrier.invalidate(v_full.index(i))
+                mbarrier.invalidate(k_free.index(i))
+                mbarrier.invalidate(v_free.index(i))
+    except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
+        _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+        _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = None
+else:
+    _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = None
+
+
+def _kernel(kind):
+    return {"dkdv": _attn_bwd_dkdv_sm90, "dq": _attn_bwd_dq_sm90}[kind]
+
+
+def _tile_rows(kind, config):
+    """(rows of a query tile, rows of a key tile) of the kernel's TMA descriptors."""
+    if kind == "dkdv":
+        bn, bm, _ = config
+    else:
+        bm, bn, _ = config
+    return bm, bn
+
+
+def _consts(kind, head_dim, causal, config):
+    a, b, stages = config
+    names = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
+    return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, "CAUSAL": causal,
+            "PRODUCER_WARPS": PRODUCER_WARPS, "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": CONSUMER_REGS}
+
+
+def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", config=None):
+    """Kernel `kind` ('dkdv' or 'dq') compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16' or
+    'fp16', config as in CONFIGS[kind]. What bench/attention_sm90_bwd_sass.py inspects and available() tries
+    once."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = _kernel(kind)
+    if fn is None:
+        raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
+    config = tuple(config) if config is not None else CONFIGS[kind][head_dim][0]
+    bm, bn = _tile_rows(kind, config)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], gdt)
+    consts = _consts(kind, head_dim, causal, config)
+    qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>"
+    kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>"
+    types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd,
+             "DK": f"*{dtype}", "DV": f"*{dtype}", "DQ": f"*{dtype}", "LSE2": "*fp32", "DELTA": "*fp32",
+             "qk_scale": "fp32", "softmax_scale": "fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_builds() -> bool:
+    """Whether this Triton's Gluon builds both kernels (once, ahead of time: the API may differ from 3.6's)."""
+    try:
+        compile_sm90("dkdv", 128, False)
+        compile_sm90("dq", 128, False)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use attention.py
+        return False
+
+
+def available(device) -> bool:
+    """True on a CUDA sm_90 device whose Triton's Gluon builds these kernels (checked once per process)."""
+    device = torch.device(device)
+    if _attn_bwd_dkdv_sm90 is None or _attn_bwd_dq_sm90 is None:
+        return False
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no driver, bad index
+        return False
+    return sm90 and _gluon_builds()
+
+
+def _check(dout, q, k, v, o, lse, causal, softmax_scale):
+    if _attn_bwd_dkdv_sm90 is None or _attn_bwd_dq_sm90 is None:
+        raise ValueError(f"attention_sm90_bwd: Gluon's Hopper API is not available ({_GLUON_ERROR})")
+    names = ("dout", "q", "k", "v", "o", "lse")
+    for name, t in zip(names, (dout, q, k, v, o, lse)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"attention_sm90_bwd: {name} must be a tensor")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention_sm90_bwd: only the dense (batch, seqlen, heads, head_dim) layout is "
+                         "supported (no varlen / cu_seqlens)")
+    if not all(t.device == q.device for t in (dout, k, v, o, lse)) or not available(q.device):
+        raise ValueError(f"attention_sm90_bwd: needs every tensor on one CUDA sm_90 device, got {q.device}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not all(t.dtype == q.dtype for t in (k, v, o, dout)):
+        raise ValueError(f"attention_sm90_bwd: only bf16 and fp16 (q, k, v, o, dout alike), got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}, {o.dtype}, {dout.dtype}")
+    batch, seqlen, heads, d = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"attention_sm90_bwd: k, v shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q "
+                         f"{tuple(q.shape)}")
+    if k.shape[1] != seqlen:
+        raise ValueError(f"attention_sm90_bwd: seqlen_q != seqlen_k ({seqlen} != {k.shape[1]}) is not supported")
+    if o.shape != q.shape or dout.shape != q.shape:
+        raise ValueError(f"attention_sm90_bwd: o {tuple(o.shape)} and dout {tuple(dout.shape)} must have q's "
+                         f"shape {tuple(q.shape)}")
+    if tuple(lse.shape) != (batch, heads, seqlen) or lse.dtype != torch.float32:
+        raise ValueError(f"attention_sm90_bwd: lse must be float32 (batch, heads_q, seqlen), got "
+                         f"{tuple(lse.shape)} {lse.dtype}")
+    if d not in CONFIGS["dq"]:
+        raise ValueError(f"attention_sm90_bwd: head_dim {d} is not supported (only {sorted(CONFIGS['dq'])})")
+    if heads % k.shape[2]:
+        raise ValueError(f"attention_sm90_bwd: heads_q {heads} is not a multiple of heads_kv {k.shape[2]}")
+    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention_sm90_bwd: softmax_scale must be a positive finite number, got "
+                         f"{softmax_scale}")
+    if not isinstance(causal, bool):
+        raise ValueError("attention_sm90_bwd: causal must be a bool (no sliding windows)")
+    if batch * seqlen * heads == 0:
+        raise ValueError("attention_sm90_bwd: empty inputs are not supported")
+    if batch > 65535 or heads > 65535:
+        raise ValueError(f"attention_sm90_bwd: batch {batch} or heads {heads} exceeds the grid's 65535")
+
+
+def _as_rows(t):
+    """The (batch * seqlen, heads * head_dim) view TMA tiles: contiguous heads and tokens, 16-byte rows."""
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t, t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+
+
+def _descriptors(q2, do2, k2, v2, bm, bn, d, dtype):
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout),
+            TensorDescriptor(do2, list(do2.shape), list(do2.stride()), [bm, d], q_layout),
+            TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout),
+            TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout))
+
+
+def _new(shape, dtype, device):
+    if _NAN_FILL:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal: bool, softmax_scale: float, config=None,
+                num_warps: int = 4):
+    """The Gluon replacement of attention.py's `_attn_bwd_dkdv` (dense): writes dk, dv (contiguous, k's shape
+    and dtype) from q, k, v, dout (contiguous, 16-byte aligned) and the prep's lse2, delta (float32
+    contiguous (batch, heads_q, seqlen))."""
+    batch, seqlen, heads, d = q.shape
+    heads_kv = k.shape[2]
+    config = tuple(config) if config is not None else CONFIGS["dkdv"][d][0]
+    bn, bm, stages = config
+    descs = _descriptors(q.view(batch * seqlen, heads * d), dout.view(batch * seqlen, heads * d),
+                         k.view(batch * seqlen, heads_kv * d), v.view(batch * seqlen, heads_kv * d),
+                         bm, bn, d, q.dtype)
+    grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
+    _attn_bwd_dkdv_sm90[grid](*descs, dk, dv, lse2, delta, seqlen, heads, heads_kv, heads // heads_kv,
+                              softmax_scale * LOG2E, softmax_scale, **_consts("dkdv", d, causal, config),
+                              num_warps=num_warps)
+
+
+def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float, config=None,
+              num_warps: int = 4):
+    """The Gluon replacement of attention.py's `_attn_bwd_dq` (dense): writes dq (contiguous, q's shape and
+    dtype); the inputs as launch_dkdv's."""
+    batch, seqlen, heads, d = q.shape
+    heads_kv = k.shape[2]
+    config = tuple(config) if config is not None else CONFIGS["dq"][d][0]
+    bm, bn, stages = config
+    descs = _descriptors(q.view(batch * seqlen, heads * d), dout.view(batch * seqlen, heads * d),
+                         k.view(batch * seqlen, heads_kv * d), v.view(batch * seqlen, heads_kv * d),
+                         bm, bn, d, q.dtype)
+    grid = (-(-seqlen // (2 * bm)), heads, batch)
+    _attn_bwd_dq_sm90[grid](*descs, dq, lse2, delta, seqlen, heads, heads // heads_kv,
+                            softmax_scale * LOG2E, softmax_scale, **_consts("dq", d, causal, config),
+                            num_warps=num_warps)
+
+
+def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_config=None, dq_config=None):
+    """(dq, dk, dv) of attention.py's dense backward with dLSE = None: attention.py's prep kernel
+    (`_backward_prep`: lse2 = lse * log2(e), delta = rowsum(dO * O)), then the two Gluon kernels. o and lse are
+    the forward's (attention.py's or attention_sm90.py's, natural-log lse). Raises ValueError for what it does
+    not support."""
+    _check(dout, q, k, v, o, lse, causal, softmax_scale)
+    from .attention import _backward_prep
+    batch, seqlen, heads, d = q.shape
+    q, _ = _as_rows(q)
+    k, _ = _as_rows(k)
+    v, _ = _as_rows(v)
+    dout, _ = _as_rows(dout)
+    if o.stride(-1) != 1:   # the prep reads o with its strides, the last one unit
+        o = o.contiguous()
+    lse2, delta = _backward_prep(dout, o, lse, None, None, batch, seqlen, seqlen, heads, 0)
+    dq = _new(q.shape, q.dtype, q.device)
+    dk = _new(k.shape, k.dtype, k.device)
+    dv = _new(v.shape, v.dtype, v.device)
+    launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal, float(softmax_scale), dkdv_config)
+    launch_dq(q, k, v, dout, dq, lse2, delta, causal, float(softmax_scale), dq_config)
+    return dq, dk, dv

@@ -1,0 +1,531 @@
+"""FP8 (E4M3) flash-attention forward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
+
+What it computes: exactly fp8_attention.py's forward kernel `_fp8_fwd` (dense layout, no rotation), on the
+operands that fp8_attention.py's own quantization pass `_quantize` (kernel `_fp8_quantize`) writes for
+`_fp8_forward`, so (o, lse) can replace that launch and feed fp8_attention.py's FP8 backward unchanged:
+- K: E4M3, q's layout (batch, seqlen, heads_kv, head_dim), one power-of-two scale per KV_BLOCK (128) rows of
+  one head of one sequence (ks: (batch, heads_kv, blocks)); a key tile (BLOCK_N divides KV_BLOCK) has one.
+- V: E4M3, transposed (batch, heads_kv, head_dim, seqlen padded to 16, the padding zero), scaled as K
+  (vs). FP8 wgmma wants both operands K-major, hence V^T for P V.
+- Q: bf16/fp16, quantized per row inside the kernel (the same arithmetic as fp8_attention's
+  `_quantize_tile` and `_scales`: row amax, the largest power of two 2^e with amax 2^e <= 448, cast to E4M3
+  rounding to nearest even), so the bits are the Triton kernel's. Here a consumer warpgroup loads its bf16
+  tile (TMA, shared memory) into registers, quantizes it and stores the E4M3 tile to shared memory, where
+  the Q K^T wgmmas read it (no global scratch copy as in `_fp8_fwd`, no pass). The row scale folds into
+  the score factor c = qs * qk_scale * ks, one FMA a score as before.
+- P = exp2(s c - (m - 8)): P * 256 in [0, 256], cast to E4M3 (the 1/256 cancels between acc and l), the
+  running output acc kept in units of the current V block's scale: rescaled by alpha * vs_prev / vs_cur
+  (a power of two times the softmax correction) before the next block's P V is added.
+- Epilogue: o = acc * (vs / l), lse = (m + log2 l - 8) ln 2 (natural log, (batch, heads_q, seqlen), float32,
+  contiguous: what `_fp8_forward` returns for the dense layout and `_fp8_backward` reads).
+The float operations are those of `_fp8_fwd`, in the same order, on the same wgmma instructions (E4M3 x E4M3
+-> fp32), so the outputs agree to accumulation order (the key blocks are visited in the same order;
+the reductions' order inside a tile may differ) and the occasional E4M3 rounding of a P element one float32
+ulp from a rounding boundary.
+
+Warp roles (gl.warp_specialize), as attention_sm90.py:
+- two consumer warpgroups (the default partition and worker 0, 4 warps each), each owning one BLOCK_M-row
+  query tile, side by side, both reading every K/V tile of the shared ring, unsynchronized with each other
+  (a loose ping-pong: the schedulers interleave one's softmax with the other's wgmma).
+- one producer warp (worker 1, few registers): the two bf16 Q tiles once, then K_j and V_j^T tiles with TMA
+  into a STAGES-deep ring, each stage with k_full / v_full (TMA transaction counts) and k_free / v_free
+  (count 2, one arrive per consumer warpgroup) mbarriers.
+Inside a consumer warpgroup (FA3's intra-warpgroup overlap): at key block j issue S_j = Q8 K_j^T (both
+operands in shared memory), then O += P_{j-1} V_{j-1} (V^T's tile K-major in shared memory; P_{j-1} in E4M3
+either in shared memory, two buffers per warpgroup, config P_SMEM=1, the default, or in registers in the
+k_width 4 dot-operand layout, P_SMEM=0), wait only for S_j, run the softmax of S_j while P_{j-1} V_{j-1} is
+on the tensor cores, then wait for it and rescale O. (Triton 3.6's wgmma wait cannot keep an 8-bit register
+operand alive as a dependency, "Unexpected bitwidth in WGMMAWaitGroupOp: 8", so the register path waits on
+the accumulator alone and relies on ptxas, which sees the wgmma read those registers; in the SASS they are
+not rewritten before the wait.)
+
+Masking: a key block reaching past the causal diagonal of the tile's first row or past the end of the
+sequence is masked (a branch: interior blocks pay nothing); K rows past the end (the next sequence's, or
+TMA's zero fill) score -inf; V^T columns past the end are the pass's zero padding or TMA's zero fill, so
+P V adds 0 there. Query rows past the end are computed (from the next sequence's rows, quantized on their
+own rows' scales) and never stored.
+
+Supports: Q bf16 or fp16 (K, V prepared by the pass), head_dim 64 and 128, causal and non-causal, GQA
+(query head h reads KV head h // (heads_q // heads_kv)), seqlen_q == seqlen_k of any length, the dense
+layout only, a positive softmax scale. No cu_seqlens, no sliding windows, no rotation (rotate=True raises
+ValueError): the caller falls back to fp8_attention.py's Triton kernel for those.
+
+The module imports on any Triton: without Gluon's Hopper API as Triton 3.6 spells it the kernel is not
+defined and available() says False.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from . import fp8_attention as f8
+
+LOG2E = 1.4426950408889634
+KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers
+
+try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernel undefined
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
+        if not hasattr(tma, _name):
+            raise ImportError(_name)
+    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
+        raise ImportError("warp_specialize")
+    _GLUON_ERROR = None
+except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
+    gluon = gl = None
+    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+
+# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES[, P_SMEM]) per head_dim; the first is the default.
+# BLOCK_N divides KV_BLOCK (one K/V scale per tile) and is >= 32 (the FP8 wgmma's reduction step for P V).
+# P_SMEM (default 0): 1 passes P to the P V wgmma through shared memory (two buffers per warpgroup) instead
+# of registers: the register path's layout change of an E4M3 P (accumulator layout to the k_width 4
+# operand layout) costs ~240 byte-permute instructions a key block in Triton 3.6 (bench --aot-only), the
+# shared-memory path 32 2-byte stores, a fence and a warpgroup barrier. Which is faster is for the H200 to say.
+# The shared-memory path is the default: its non-causal key-block loop is 667 SASS instructions against
+# 899 (the bf16 Gluon kernel's: 590), and at FP8 rates the loop's issue, not the tensor cores, is the bound.
+CONFIGS = {
+    128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
+          (64, 64, 3), (64, 128, 4), (64, 64, 4)],
+    64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4)],
+}
+
+
+def _config(head_dim, config):
+    """(BLOCK_M, BLOCK_N, STAGES, P_SMEM) of a config (CONFIGS[head_dim][0] for None)."""
+    cfg = tuple(config if config is not None else CONFIGS[head_dim][0])
+    if len(cfg) not in (3, 4):
+        raise ValueError(f"fp8_attention_sm90: config {cfg} is not (BLOCK_M, BLOCK_N, STAGES[, P_SMEM])")
+    return cfg if len(cfg) == 4 else (*cfg, 0)
+# Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
+# elements show.
+_NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+
+
+if gl is not None:
+    try:
+        @gluon.jit
+        def _scales(amax):
+            """fp8_attention._scales: (2^e, 2^-e), 2^e the largest power of two with amax * 2^e <= 448;
+            amax <= 1e-30: (0, 1). The same integer arithmetic, so the same bits."""
+            bits = amax.to(gl.int32, bitcast=True)
+            above = ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)   # mantissa > 1.75 = 448 / 2^8
+            live = amax > 1e-30
+            e = gl.where(live, 8 - ((bits >> 23) - 127) - above, 0)
+            inv = ((e + 127) << 23).to(gl.float32, bitcast=True)
+            scale = ((127 - e) << 23).to(gl.float32, bitcast=True)
+            return gl.where(live, inv, 0.0), scale
+
+        @gluon.jit
+        def _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                      O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
+                      P_SMEM: gl.constexpr):
+            """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h): quantize Q
+            into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together."""
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N, 32])
+            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 32])
+            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+            q_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                      warps_per_cta=[4, 1], order=[1, 0])
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+            col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+            fp8: gl.constexpr = gl.float8e4nv
+
+            qpos = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+            cols = gl.arange(0, BLOCK_N, layout=col_s)
+            if CAUSAL:
+                limit = gl.minimum(row0 + 1, seqlen)
+            else:
+                limit = seqlen
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+            # Q per row to E4M3 (fp8_attention._quantize_tile, ROWWISE, no rotation), into shared memory
+            mbarrier.wait(q_bar, 0)
+            x = q_tile.load(q_layout).to(gl.float32)
+            inv, qs = _scales(gl.max(gl.abs(x), 1))
+            q8_tile.store((x * gl.expand_dims(inv, 1)).to(fp8))
+            fence_async_shared()
+            gl.thread_barrier()   # the whole tile in shared memory before the warpgroup's wgmma reads it
+            qc = gl.convert_layout(qs, row_s) * qk_scale
+
+            # key block 0: its scores and softmax, no P V in flight yet
+            ks = gl.load(KS + s_base)
+            vs_i = gl.load(VS + s_base)
+            mbarrier.wait(k_full.index(0), 0)
+            tok = warpgroup_mma(q8_tile, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(tok, ))
+            mbarrier.arrive(k_free.index(0))
+            if BLOCK_N > limit:
+                kpos = cols
+                keep = gl.expand_dims(kpos, 0) < seqlen
+                if CAUSAL:
+                    keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                s = gl.where(keep, s, float("-inf"))
+            c = qc * ks
+            m_i = gl.max(s, 1) * c
+            p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1))   # P * 256
+            l_i = gl.sum(p, 1)
+            if P_SMEM:
+                p_tiles.index(0).store(p.to(fp8))
+                fence_async_shared()
+                gl.thread_barrier()
+                p_op = p_tiles.index(0)
+            else:
+                p_op = gl.convert_layout(p.to(fp8), p_layout)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+
+            for j in range(1, n_blocks):
+                stage = j % STAGES
+                phase = (j // STAGES) & 1
+                prev = (j - 1) % STAGES
+                prev_phase = ((j - 1) // STAGES) & 1
+                start_n = j * BLOCK_N
+                blk = start_n // KV_BLOCK
+                ks = gl.load(KS + s_base + blk)
+                vs = gl.load(VS + s_base + blk)
+                mbarrier.wait(k_full.index(stage), phase)
+                s_tok = warpgroup_mma(q8_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(v_full.index(prev), prev_phase)
+                o_tok = warpgroup_mma(p_op, v_ring.index(prev).permute((1, 0)), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))   # S_j done, P_{j-1} V_{j-1} may still run
+                mbarrier.arrive(k_free.index(stage))
+                if start_n + BLOCK_N > limit:
+                    kpos = start_n + cols
+                    keep = gl.expand_dims(kpos, 0) < seqlen
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                    s = gl.where(keep, s, float("-inf"))
+                c = qc * ks
+                m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+                p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_new - 8.0, 1))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                if P_SMEM:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
+                    p_next = p_tiles.index(j % 2)
+                    p_next.store(p.to(fp8))
+                    fence_async_shared()
+                else:
+                    p_next = gl.convert_layout(p.to(fp8), p_layout)
+                acc = warpgroup_mma_wait(0, deps=(o_tok, ))   # (an E4M3 p_op cannot be a dep in 3.6)
+                mbarrier.arrive(v_free.index(prev))
+                # acc from V_{j-1}'s units to V_j's, with the softmax correction (as _fp8_fwd_blocks)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha * (vs_i / vs), row_o), 1)
+                vs_i = vs
+                p_op = p_next
+                if P_SMEM:
+                    gl.thread_barrier()   # every thread's share of P_j stored before its wgmma
+
+            last = (n_blocks - 1) % STAGES
+            mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_ring.index(last).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(v_free.index(last))
+
+            # epilogue as _fp8_fwd's: o = acc * (vs / l), lse = (m + log2 l - 8) ln 2; rows past the end unstored
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            f_o = gl.convert_layout(vs_i / l_safe, row_o)
+            out = acc * gl.expand_dims(f_o, 1)
+            rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+            dcol = gl.arange(0, HEAD_DIM, layout=col_o)
+            row64 = (b * seqlen + rows).to(gl.int64)
+            o_ptrs = O + gl.expand_dims(row64 * (heads * HEAD_DIM) + h * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            o_mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
+            gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+            lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe) - 8.0) * 0.6931471805599453)
+            lse_ptrs = LSE + (b * heads + h).to(gl.int64) * seqlen + rows
+            gl.store(lse_ptrs, gl.convert_layout(lse, row_o), mask=rows < seqlen)
+
+        @gluon.jit
+        def _producer(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
+                      q_row, q_col, kv_row, kv_col, vt_row, n_blocks,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            """The two bf16 Q tiles once, then K_j and V_j^T into stage j % STAGES once both consumers freed it."""
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_tiles.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_tiles.index(1))
+            for j in range(n_blocks):
+                stage = j % STAGES
+                free_phase = ((j // STAGES) & 1) ^ 1   # the first round finds every stage free
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_full.index(stage),
+                                                k_ring.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [vt_row, j * BLOCK_N], v_full.index(stage),
+                                                v_ring.index(stage))
+
+        @gluon.jit
+        def _fp8_fwd_sm90(q_desc, k_desc, v_desc, KS, VS, O, LSE, seqlen, heads, kv_heads, group, ssb, ssh,
+                          qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr, P_SMEM: gl.constexpr,
+                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr):
+            """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
+            n_pairs = gl.num_programs(0)
+            pid = gl.program_id(0)
+            if CAUSAL:
+                pid = n_pairs - 1 - pid
+            h = gl.program_id(1)
+            b = gl.program_id(2)
+            hk = h // group
+            m0 = pid * (2 * BLOCK_M)
+            if CAUSAL:
+                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
+            else:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+
+            qdt: gl.constexpr = q_desc.dtype
+            fp8: gl.constexpr = gl.float8e4nv
+            q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], fp8)
+            q_tiles = gl.allocate_shared_memory(qdt, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+            q8_tiles = gl.allocate_shared_memory(fp8, [2, BLOCK_M, HEAD_DIM], q8_layout)
+            k_ring = gl.allocate_shared_memory(fp8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_ring = gl.allocate_shared_memory(fp8, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_full.index(i), count=1)
+                mbarrier.init(v_full.index(i), count=1)
+                mbarrier.init(k_free.index(i), count=2)   # one arrive per consumer warpgroup
+                mbarrier.init(v_free.index(i), count=2)
+            fence_async_shared()
+
+            if P_SMEM:
+                p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], fp8)
+                p0 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
+                p1 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
+            else:
+                p0 = q8_tiles
+                p1 = q8_tiles
+            s_base = b.to(gl.int64) * ssb + hk * ssh
+            row0 = m0
+            row1 = m0 + BLOCK_M
+            gl.warp_specialize([
+                (_consumer, (q_tiles.index(0), q8_tiles.index(0), p0, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                             v_free, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
+                (_consumer, (q_tiles.index(1), q8_tiles.index(1), p1, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                             v_free, O, LSE, KS, VS, s_base, row1, seqlen, b, h, heads, n_blocks, qk_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
+                (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                             v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
+                             (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+            mbarrier.invalidate(q_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(k_full.index(i))
+                mbarrier.invalidate(v_full.index(i))
+                mbarrier.invalidate(k_free.index(i))
+                mbarrier.invalidate(v_free.index(i))
+    except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
+        _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+        _fp8_fwd_sm90 = None
+else:
+    _fp8_fwd_sm90 = None
+
+
+def _layouts(head_dim, bm, bn, qdt):
+    """(Q, K, V^T) shared layouts of the TMA tiles: Q (bm, d) in q's dtype, K (bn, d), V^T (d, bn) in E4M3."""
+    return (gl.NVMMASharedLayout.get_default_for([bm, head_dim], qdt),
+            gl.NVMMASharedLayout.get_default_for([bn, head_dim], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([head_dim, bn], gl.float8e4nv))
+
+
+def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
+    """The kernel compiled ahead of time for sm_90a (no GPU touched): dtype (Q's and O's) 'bf16' or 'fp16',
+    config as in forward(). What bench/fp8_attention_sm90.py --aot-only inspects and available() tries once."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    if _fp8_fwd_sm90 is None:
+        raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
+    bm, bn, stages, p_smem = _config(head_dim, config)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, gdt)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
+                  P_SMEM=bool(p_smem), PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
+    types = {"q_desc": f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>",
+             "k_desc": f"tensordesc<fp8e4nv[{bn}, {head_dim}],{k_layout!r}>",
+             "v_desc": f"tensordesc<fp8e4nv[{head_dim}, {bn}],{v_layout!r}>",
+             "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}", "LSE": "*fp32", "qk_scale": "fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(_fp8_fwd_sm90.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
+    src = GluonASTSource(fn=_fp8_fwd_sm90, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm90(index) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_builds() -> bool:
+    """Whether this Triton's Gluon builds the kernel (once, ahead of time: the API may differ from 3.6's)."""
+    try:
+        compile_sm90(128, False)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use fp8_attention.py
+        return False
+
+
+def available(device) -> bool:
+    """True on a CUDA sm_90 device whose Triton's Gluon builds this kernel (checked once per process), outside
+    the interpreter (whose K/V scale blocks are 32 rows, not the kernel's 128)."""
+    device = torch.device(device)
+    if _fp8_fwd_sm90 is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if f8.KV_BLOCK != KV_BLOCK_GPU:
+        return False
+    try:
+        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no driver, bad index
+        return False
+    return sm90 and _gluon_builds()
+
+
+def _fail(msg):
+    raise ValueError(f"fp8_attention_sm90: {msg}")
+
+
+def _check_qkv(q, k, v, causal, softmax_scale, rotate):
+    """What fp8_forward and forward both need of the unquantized shapes (k, v: any tensors of K's shape)."""
+    if _fp8_fwd_sm90 is None:
+        _fail(f"Gluon's Hopper API is not available ({_GLUON_ERROR})")
+    if rotate:
+        _fail("rotate=True is not supported (use fp8_attention.py)")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        _fail("only the dense (batch, seqlen, heads, head_dim) layout is supported (no varlen / cu_seqlens)")
+    if not available(q.device):
+        _fail(f"needs q on a CUDA sm_90 device with Gluon, got {q.device}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        _fail(f"q must be bf16 or fp16, got {q.dtype}")
+    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
+        _fail(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        _fail("causal must be a bool (no sliding windows)")
+    batch, seqlen, heads, d = q.shape
+    if d not in CONFIGS:
+        _fail(f"head_dim {d} is not supported (only {sorted(CONFIGS)})")
+    if batch * seqlen * heads == 0:
+        _fail("empty inputs are not supported")
+    if batch > 65535 or heads > 65535:
+        _fail(f"batch {batch} or heads {heads} exceeds the grid's 65535")
+
+
+def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: bool = False, config=None,
+            num_warps: int = 4):
+    """(o, lse) of FP8 attention from the operands fp8_attention._fp8_forward prepares for `_fp8_fwd`, for
+    the dense layout: q (batch, seqlen, heads_q, d) bf16/fp16 (quantized per row in the kernel; the scratch
+    copy q8 `_fp8_forward` allocates is not needed); k8 E4M3 (batch, seqlen, heads_kv, d) and ks, from
+    `_quantize(k, None, None, batch, seqlen, seqlen, rowwise=False)`; v8t E4M3 (batch, heads_kv, d, seqlen
+    padded to 16) and vs, from `_quantize(v, ..., rowwise=False, rows=False, transposed=True)`; ks, vs float32
+    (batch, heads_kv, cdiv(seqlen, 128)). softmax_scale: natural units (the kernel folds log2 e in).
+    Returns o (q's shape and dtype, contiguous) and lse (float32 natural log, (batch, heads_q, seqlen)), as
+    `_fp8_forward`. config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, P_SMEM]), default CONFIGS[d][0]. Raises
+    ValueError for what it does not support (the caller keeps `_fp8_fwd`)."""
+    _check_qkv(q, k8, v8t, causal, softmax_scale, rotate)
+    batch, seqlen, heads, d = q.shape
+    if not isinstance(k8, torch.Tensor) or k8.dim() != 4 or k8.dtype != f8._FP8:
+        _fail("k8 must be the pass's E4M3 (batch, seqlen, heads_kv, head_dim) tensor")
+    kv_heads = k8.shape[2]
+    if k8.shape[0] != batch or k8.shape[3] != d:
+        _fail(f"k8 shape {tuple(k8.shape)} does not match q {tuple(q.shape)}")
+    if k8.shape[1] != seqlen:
+        _fail(f"seqlen_q != seqlen_k ({seqlen} != {k8.shape[1]}) is not supported")
+    if heads % kv_heads:
+        _fail(f"heads_q {heads} is not a multiple of heads_kv {kv_heads}")
+    padded = -(-seqlen // 16) * 16
+    if not isinstance(v8t, torch.Tensor) or v8t.dtype != f8._FP8 or tuple(v8t.shape) != (batch, kv_heads, d, padded):
+        _fail(f"v8t must be the pass's transposed E4M3 copy ({batch}, {kv_heads}, {d}, {padded})")
+    n_kvb = -(-seqlen // KV_BLOCK_GPU)
+    for name, t in (("ks", ks), ("vs", vs)):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (batch, kv_heads, n_kvb)
+                or t.stride(2) != 1):
+            _fail(f"{name} must be float32 ({batch}, {kv_heads}, {n_kvb}) with unit last stride")
+    if ks.stride() != vs.stride():
+        _fail("ks and vs must share strides")
+    if any(t.device != q.device for t in (k8, v8t, ks, vs)):
+        _fail("all operands on q's device")
+    bm, bn, stages, p_smem = _config(d, config)
+    if KV_BLOCK_GPU % bn or bn < 32:
+        _fail(f"BLOCK_N {bn} must divide {KV_BLOCK_GPU} and be >= 32")
+    q = q.contiguous()
+    if q.data_ptr() % 16:
+        q = q.clone()
+    k8 = k8.contiguous()
+    v8t = v8t.contiguous()
+    q2 = q.view(batch * seqlen, heads * d)
+    k2 = k8.view(batch * seqlen, kv_heads * d)
+    v2 = v8t.view(batch * kv_heads * d, padded)
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout, k_layout, v_layout = _layouts(d, bm, bn, gdt)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], k_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [d, bn], v_layout)
+    new = functools.partial(torch.full, fill_value=float("nan")) if _NAN_FILL else torch.empty
+    o = new(q.shape, dtype=q.dtype, device=q.device)
+    lse = new((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    grid = (-(-seqlen // (2 * bm)), heads, batch)
+    _fp8_fwd_sm90[grid](q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, heads // kv_heads,
+                        ks.stride(0), ks.stride(1), softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+                        STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=bool(p_smem), PRODUCER_WARPS=PRODUCER_WARPS,
+                        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
+    return o, lse
+
+
+def quantize_kv(k, v):
+    """fp8_attention._fp8_forward's K/V passes for the dense layout: (k8, v8t, ks, vs), the same calls."""
+    batch, seqlen = k.shape[0], k.shape[1]
+    k8, _, ks = f8._quantize(k, None, None, batch, seqlen, seqlen, rowwise=False)
+    _, v8t, vs = f8._quantize(v, None, None, batch, seqlen, seqlen, rowwise=False, rows=False, transposed=True)
+    return k8, v8t, ks, vs
+
+
+def fp8_forward(q, k, v, causal: bool, softmax_scale: float, *, rotate: bool = False, config=None):
+    """(o, lse) of FP8 attention as fp8_attention's dense forward returns them (`_fp8_forward` with
+    cu_seqlens=None, left/right from causal): fp8_attention.py's K/V quantization passes, then this kernel
+    (Q quantized inside it). Raises ValueError for what the kernel does not support, before any pass runs."""
+    _check_qkv(q, k, v, causal, softmax_scale, rotate)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k, v)) or k.shape != v.shape:
+        _fail("k and v must be (batch, seqlen, heads_kv, head_dim) tensors of one shape")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        _fail("q, k, v must share dtype and device")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        _fail(f"k, v shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if k.shape[1] != q.shape[1]:
+        _fail(f"seqlen_q != seqlen_k ({q.shape[1]} != {k.shape[1]}) is not supported")
+    if q.shape[2] % k.shape[2]:
+        _fail(f"heads_q {q.shape[2]} is not a multiple of heads_kv {k.shape[2]}")
+    k8, v8t, ks, vs = quantize_kv(k, v)
+    return forward(q, k8, v8t, ks, vs, causal, softmax_scale, config=config)
