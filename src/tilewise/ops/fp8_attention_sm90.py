@@ -4,7 +4,7 @@ A prototype, not dispatched yet. Measured at 9a9ef10 (H200, bench/fp8_attention_
 16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
-558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2%); 21 of the
+558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that config); 21 of the
 gpu tests passed before that run's time limit, the rest have not run.
 
 What it computes: exactly fp8_attention.py's forward kernel `_fp8_fwd` (dense layout, no rotation), on the
