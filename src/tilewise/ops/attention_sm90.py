@@ -53,28 +53,15 @@ defined and available() says False.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
-LOG2E = 1.4426950408889634
+from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
+                         check_dense, fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
+                         tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
-try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernel undefined
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
-        if not hasattr(tma, _name):
-            raise ImportError(_name)
-    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
-        raise ImportError("warp_specialize")
-    _GLUON_ERROR = None
-except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
-    gluon = gl = None
-    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+LOG2E = 1.4426950408889634
 
 # (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default. A fourth
 # element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it.
@@ -85,9 +72,6 @@ CONFIGS = {
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
-PRODUCER_WARPS = 1
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 
 
 if gl is not None:
@@ -230,18 +214,7 @@ if gl is not None:
                            PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
-            n_pairs = gl.num_programs(0)
-            pid = gl.program_id(0)
-            if CAUSAL:
-                pid = n_pairs - 1 - pid
-            h = gl.program_id(1)
-            b = gl.program_id(2)
-            hk = h // group
-            m0 = pid * (2 * BLOCK_M)
-            if CAUSAL:
-                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
-            else:
-                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+            h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
             dtype: gl.constexpr = q_desc.dtype
             q_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -295,36 +268,17 @@ else:
 def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     """The kernel compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16' or 'fp16', config as in
     forward(). What bench/attention_sm90_sass.py inspects and available() tries once."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     if _attn_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
     bm, bn, stages, pingpong = _config(config, head_dim)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], gdt)
+    q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
-    types = {"q_desc": f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>",
-             "k_desc": f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>",
-             "v_desc": f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>",
+                  **ROLE_CONSTS)
+    types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
+             "k_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
+             "v_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
              "O": f"*{dtype}", "LSE": "*fp32", "qk_scale": "fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(_attn_fwd_sm90.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = types.get(name, "i32")
-            if sig[name].startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
-    src = GluonASTSource(fn=_attn_fwd_sm90, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm90(index) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return aot_compile(_attn_fwd_sm90, consts, types)
 
 
 @functools.lru_cache(maxsize=None)
@@ -339,68 +293,18 @@ def _gluon_builds() -> bool:
 
 def available(device) -> bool:
     """True on a CUDA sm_90 device whose Triton's Gluon builds this kernel (checked once per process)."""
-    device = torch.device(device)
-    if _attn_fwd_sm90 is None or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - no driver, bad index
-        return False
-    return sm90 and _gluon_builds()
+    return _attn_fwd_sm90 is not None and on_sm90(device) and _gluon_builds()
 
 
 def _check(q, k, v, causal, softmax_scale):
     if _attn_fwd_sm90 is None:
         raise ValueError(f"attention_sm90: Gluon's Hopper API is not available ({_GLUON_ERROR})")
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        raise ValueError("attention_sm90: q, k, v must be tensors")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("attention_sm90: only the dense (batch, seqlen, heads, head_dim) layout is supported "
-                         "(no varlen / cu_seqlens)")
-    if not available(q.device) or k.device != q.device or v.device != q.device:
-        raise ValueError(f"attention_sm90: needs q, k, v on one CUDA sm_90 device, got {q.device}")
+    check_dense("attention_sm90", q, k, v, causal, softmax_scale, CONFIGS)
+    if not available(q.device):
+        raise ValueError(f"attention_sm90: needs q, k, v on a CUDA sm_90 device, got {q.device}")
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attention_sm90: only bf16 and fp16 (all three alike), got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    batch, seqlen, heads, d = q.shape
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
-        raise ValueError(f"attention_sm90: k, v shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q "
-                         f"{tuple(q.shape)}")
-    if k.shape[1] != seqlen:
-        raise ValueError(f"attention_sm90: seqlen_q != seqlen_k ({seqlen} != {k.shape[1]}) is not supported")
-    if d not in CONFIGS:
-        raise ValueError(f"attention_sm90: head_dim {d} is not supported (only {sorted(CONFIGS)})")
-    if heads % k.shape[2]:
-        raise ValueError(f"attention_sm90: heads_q {heads} is not a multiple of heads_kv {k.shape[2]}")
-    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"attention_sm90: softmax_scale must be a positive finite number, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise ValueError("attention_sm90: causal must be a bool (no sliding windows)")
-    if batch * seqlen * heads == 0:
-        raise ValueError("attention_sm90: empty inputs are not supported")
-    if batch > 65535 or heads > 65535:
-        raise ValueError(f"attention_sm90: batch {batch} or heads {heads} exceeds the grid's 65535")
-
-
-def token_rows(t):
-    """t (batch, seqlen, heads, head_dim) as the (batch * seqlen, heads * head_dim) matrix TMA tiles, without
-    a copy: the heads of a token side by side, tokens at one stride (a fused QKV projection's views too),
-    16-byte aligned. None when the layout does not allow it."""
-    b, n, h, d = t.shape
-    s0, s1, s2, s3 = t.stride()
-    size = t.element_size()
-    if s3 != 1 or (s2 != d and h > 1) or (s0 != n * s1 and b > 1) or (s1 * size) % 16 or t.data_ptr() % 16:
-        return None
-    return t.as_strided((b * n, h * d), (s1, 1))
-
-
-def _as_rows(t):
-    """t and its token_rows matrix, copied to a contiguous tensor first where its layout does not allow one."""
-    rows = token_rows(t)
-    if rows is None:
-        t = t.contiguous() if not t.is_contiguous() else t.clone()
-        rows = token_rows(t)
-    return t, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -424,19 +328,17 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
     _check(q, k, v, causal, softmax_scale)
     batch, seqlen, heads, d = q.shape
     bm, bn, stages, pingpong = _config(config, d)
-    q, q2 = _as_rows(q)
-    k, k2 = _as_rows(k)
-    v, v2 = _as_rows(v)
+    q, q2 = as_rows(q)
+    k, k2 = as_rows(k)
+    v, v2 = as_rows(v)
     q_layout, kv_layout = _smem_layouts(bm, bn, d, q.dtype)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
-    new = functools.partial(torch.full, fill_value=float("nan")) if _NAN_FILL else torch.empty
-    o = new(q.shape, dtype=q.dtype, device=q.device)
-    lse = new((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    o = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
+    lse = new_output((batch, heads, seqlen), torch.float32, q.device, _NAN_FILL)
     grid = (-(-seqlen // (2 * bm)), heads, batch)
     _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, heads // k.shape[2],
                          softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-                         PINGPONG=pingpong, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
-                         CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
+                         PINGPONG=pingpong, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse

@@ -60,28 +60,15 @@ and available() says False.
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
-LOG2E = 1.4426950408889634
+from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
+                         check_dense, fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
+                         tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
-try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernels undefined
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
-        if not hasattr(tma, _name):
-            raise ImportError(_name)
-    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
-        raise ImportError("warp_specialize")
-    _GLUON_ERROR = None
-except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
-    gluon = gl = None
-    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+LOG2E = 1.4426950408889634
 
 # dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES);
 # dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES). The first is the default.
@@ -94,9 +81,6 @@ CONFIGS = {
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
-PRODUCER_WARPS = 1
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 
 
 if gl is not None:
@@ -374,18 +358,7 @@ if gl is not None:
                               PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
-            n_pairs = gl.num_programs(0)
-            pid = gl.program_id(0)
-            if CAUSAL:
-                pid = n_pairs - 1 - pid
-            h = gl.program_id(1)
-            b = gl.program_id(2)
-            hk = h // group
-            m0 = pid * (2 * BLOCK_M)
-            if CAUSAL:
-                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
-            else:
-                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+            h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
             dtype: gl.constexpr = q_desc.dtype
             q_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -448,46 +421,25 @@ def _tile_rows(kind, config):
 def _consts(kind, head_dim, causal, config):
     a, b, stages = config
     names = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
-    return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, "CAUSAL": causal,
-            "PRODUCER_WARPS": PRODUCER_WARPS, "PRODUCER_REGS": PRODUCER_REGS, "CONSUMER_REGS": CONSUMER_REGS}
+    return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, "CAUSAL": causal, **ROLE_CONSTS}
 
 
 def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     """Kernel `kind` ('dkdv' or 'dq') compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16' or
     'fp16', config as in CONFIGS[kind]. What bench/attention_sm90_bwd_sass.py inspects and available() tries
     once."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     fn = _kernel(kind)
     if fn is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
     config = tuple(config) if config is not None else CONFIGS[kind][head_dim][0]
     bm, bn = _tile_rows(kind, config)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], gdt)
-    consts = _consts(kind, head_dim, causal, config)
-    qd = f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>"
-    kd = f"tensordesc<{dtype}[{bn}, {head_dim}],{kv_layout!r}>"
+    q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+    qd = tensordesc_type(dtype, (bm, head_dim), q_layout)
+    kd = tensordesc_type(dtype, (bn, head_dim), kv_layout)
     types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd,
              "DK": f"*{dtype}", "DV": f"*{dtype}", "DQ": f"*{dtype}", "LSE2": "*fp32", "DELTA": "*fp32",
              "qk_scale": "fp32", "softmax_scale": "fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = types.get(name, "i32")
-            if sig[name].startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm90(index) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return aot_compile(fn, _consts(kind, head_dim, causal, config), types)
 
 
 @functools.lru_cache(maxsize=None)
@@ -503,95 +455,65 @@ def _gluon_builds() -> bool:
 
 def available(device) -> bool:
     """True on a CUDA sm_90 device whose Triton's Gluon builds these kernels (checked once per process)."""
-    device = torch.device(device)
-    if _attn_bwd_dkdv_sm90 is None or _attn_bwd_dq_sm90 is None:
-        return False
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - no driver, bad index
-        return False
-    return sm90 and _gluon_builds()
+    return (_attn_bwd_dkdv_sm90 is not None and _attn_bwd_dq_sm90 is not None and on_sm90(device)
+            and _gluon_builds())
 
 
 def _check(dout, q, k, v, o, lse, causal, softmax_scale):
     if _attn_bwd_dkdv_sm90 is None or _attn_bwd_dq_sm90 is None:
         raise ValueError(f"attention_sm90_bwd: Gluon's Hopper API is not available ({_GLUON_ERROR})")
-    names = ("dout", "q", "k", "v", "o", "lse")
-    for name, t in zip(names, (dout, q, k, v, o, lse)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"attention_sm90_bwd: {name} must be a tensor")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("attention_sm90_bwd: only the dense (batch, seqlen, heads, head_dim) layout is "
-                         "supported (no varlen / cu_seqlens)")
-    if not all(t.device == q.device for t in (dout, k, v, o, lse)) or not available(q.device):
-        raise ValueError(f"attention_sm90_bwd: needs every tensor on one CUDA sm_90 device, got {q.device}")
+    check_dense("attention_sm90_bwd", q, k, v, causal, softmax_scale, CONFIGS["dq"])
+    for name, t in (("dout", dout), ("o", o), ("lse", lse)):
+        if not isinstance(t, torch.Tensor) or t.device != q.device:
+            raise ValueError(f"attention_sm90_bwd: {name} must be a tensor on q's device ({q.device})")
+    if not available(q.device):
+        raise ValueError(f"attention_sm90_bwd: needs a CUDA sm_90 device, got {q.device}")
     if q.dtype not in (torch.bfloat16, torch.float16) or not all(t.dtype == q.dtype for t in (k, v, o, dout)):
         raise ValueError(f"attention_sm90_bwd: only bf16 and fp16 (q, k, v, o, dout alike), got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}, {o.dtype}, {dout.dtype}")
     batch, seqlen, heads, d = q.shape
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
-        raise ValueError(f"attention_sm90_bwd: k, v shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q "
-                         f"{tuple(q.shape)}")
-    if k.shape[1] != seqlen:
-        raise ValueError(f"attention_sm90_bwd: seqlen_q != seqlen_k ({seqlen} != {k.shape[1]}) is not supported")
     if o.shape != q.shape or dout.shape != q.shape:
         raise ValueError(f"attention_sm90_bwd: o {tuple(o.shape)} and dout {tuple(dout.shape)} must have q's "
                          f"shape {tuple(q.shape)}")
     if tuple(lse.shape) != (batch, heads, seqlen) or lse.dtype != torch.float32:
         raise ValueError(f"attention_sm90_bwd: lse must be float32 (batch, heads_q, seqlen), got "
                          f"{tuple(lse.shape)} {lse.dtype}")
-    if d not in CONFIGS["dq"]:
-        raise ValueError(f"attention_sm90_bwd: head_dim {d} is not supported (only {sorted(CONFIGS['dq'])})")
-    if heads % k.shape[2]:
-        raise ValueError(f"attention_sm90_bwd: heads_q {heads} is not a multiple of heads_kv {k.shape[2]}")
-    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
-        raise ValueError(f"attention_sm90_bwd: softmax_scale must be a positive finite number, got "
-                         f"{softmax_scale}")
-    if not isinstance(causal, bool):
-        raise ValueError("attention_sm90_bwd: causal must be a bool (no sliding windows)")
-    if batch * seqlen * heads == 0:
-        raise ValueError("attention_sm90_bwd: empty inputs are not supported")
-    if batch > 65535 or heads > 65535:
-        raise ValueError(f"attention_sm90_bwd: batch {batch} or heads {heads} exceeds the grid's 65535")
 
 
-def _as_rows(t):
-    """The (batch * seqlen, heads * head_dim) view TMA tiles: contiguous heads and tokens, 16-byte rows."""
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        t = t.contiguous() if not t.is_contiguous() else t.clone()
-    return t, t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
-
-
-def _descriptors(q2, do2, k2, v2, bm, bn, d, dtype):
+@functools.lru_cache(maxsize=None)
+def _smem_layouts(bm, bn, d, dtype):
+    """The query-side (Q, dO) and key-side (K, V) tiles' shared-memory layouts, built once."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    return gl.NVMMASharedLayout.get_default_for([bm, d], gdt), gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+
+
+def _rows(t, name):
+    rows = token_rows(t)
+    if rows is None:
+        raise ValueError(f"attention_sm90_bwd: {name} is not in a layout TMA tiles in place (see token_rows)")
+    return rows
+
+
+def _descriptors(q, dout, k, v, bm, bn):
+    d = q.shape[-1]
+    q_layout, kv_layout = _smem_layouts(bm, bn, d, q.dtype)
+    q2, do2, k2, v2 = _rows(q, "q"), _rows(dout, "dout"), _rows(k, "k"), _rows(v, "v")
     return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout),
             TensorDescriptor(do2, list(do2.shape), list(do2.stride()), [bm, d], q_layout),
             TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], kv_layout),
             TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout))
 
 
-def _new(shape, dtype, device):
-    if _NAN_FILL:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal: bool, softmax_scale: float, config=None,
                 num_warps: int = 4):
     """The Gluon replacement of attention.py's `_attn_bwd_dkdv` (dense): writes dk, dv (contiguous, k's shape
-    and dtype) from q, k, v, dout (contiguous, 16-byte aligned) and the prep's lse2, delta (float32
-    contiguous (batch, heads_q, seqlen))."""
+    and dtype) from q, k, v, dout (token rows TMA tiles in place: see token_rows) and the prep's lse2, delta
+    (float32 contiguous (batch, heads_q, seqlen))."""
     batch, seqlen, heads, d = q.shape
     heads_kv = k.shape[2]
     config = tuple(config) if config is not None else CONFIGS["dkdv"][d][0]
     bn, bm, stages = config
-    descs = _descriptors(q.view(batch * seqlen, heads * d), dout.view(batch * seqlen, heads * d),
-                         k.view(batch * seqlen, heads_kv * d), v.view(batch * seqlen, heads_kv * d),
-                         bm, bn, d, q.dtype)
+    descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
     _attn_bwd_dkdv_sm90[grid](*descs, dk, dv, lse2, delta, seqlen, heads, heads_kv, heads // heads_kv,
                               softmax_scale * LOG2E, softmax_scale, **_consts("dkdv", d, causal, config),
@@ -606,9 +528,7 @@ def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float
     heads_kv = k.shape[2]
     config = tuple(config) if config is not None else CONFIGS["dq"][d][0]
     bm, bn, stages = config
-    descs = _descriptors(q.view(batch * seqlen, heads * d), dout.view(batch * seqlen, heads * d),
-                         k.view(batch * seqlen, heads_kv * d), v.view(batch * seqlen, heads_kv * d),
-                         bm, bn, d, q.dtype)
+    descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bm)), heads, batch)
     _attn_bwd_dq_sm90[grid](*descs, dq, lse2, delta, seqlen, heads, heads // heads_kv,
                             softmax_scale * LOG2E, softmax_scale, **_consts("dq", d, causal, config),
@@ -623,16 +543,16 @@ def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_con
     _check(dout, q, k, v, o, lse, causal, softmax_scale)
     from .attention import _backward_prep
     batch, seqlen, heads, d = q.shape
-    q, _ = _as_rows(q)
-    k, _ = _as_rows(k)
-    v, _ = _as_rows(v)
-    dout, _ = _as_rows(dout)
+    q, _ = as_rows(q)
+    k, _ = as_rows(k)
+    v, _ = as_rows(v)
+    dout, _ = as_rows(dout)
     if o.stride(-1) != 1:   # the prep reads o with its strides, the last one unit
         o = o.contiguous()
     lse2, delta = _backward_prep(dout, o, lse, None, None, batch, seqlen, seqlen, heads, 0)
-    dq = _new(q.shape, q.dtype, q.device)
-    dk = _new(k.shape, k.dtype, k.device)
-    dv = _new(v.shape, v.dtype, v.device)
+    dq = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
+    dk = new_output(k.shape, k.dtype, k.device, _NAN_FILL)
+    dv = new_output(v.shape, v.dtype, v.device, _NAN_FILL)
     launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal, float(softmax_scale), dkdv_config)
     launch_dq(q, k, v, dout, dq, lse2, delta, causal, float(softmax_scale), dq_config)
     return dq, dk, dv

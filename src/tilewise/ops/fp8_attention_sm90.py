@@ -4,8 +4,8 @@ A prototype, not dispatched yet. Measured at 9a9ef10 (H200, bench/fp8_attention_
 16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
-558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that config); 21 of the
-gpu tests passed before that run's time limit, the rest have not run.
+558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that
+config); 21 of the gpu tests passed before that run's time limit, the rest have not run.
 
 What it computes: exactly fp8_attention.py's forward kernel `_fp8_fwd` (dense layout, no rotation), on the
 operands that fp8_attention.py's own quantization pass `_quantize` (kernel `_fp8_quantize`) writes for
@@ -69,25 +69,12 @@ import os
 import torch
 
 from . import fp8_attention as f8
+from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
+                         fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
+                         tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers
-
-try:  # Gluon's Hopper API as Triton 3.6 spells it; any other Triton leaves the kernel undefined
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
-        if not hasattr(tma, _name):
-            raise ImportError(_name)
-    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
-        raise ImportError("warp_specialize")
-    _GLUON_ERROR = None
-except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
-    gluon = gl = None
-    _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
 
 # (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES[, P_SMEM]) per head_dim; the first is the default.
 # BLOCK_N divides KV_BLOCK (one K/V scale per tile) and is >= 32 (the FP8 wgmma's reduction step for P V).
@@ -113,9 +100,6 @@ def _config(head_dim, config):
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
-PRODUCER_WARPS = 1
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 
 
 if gl is not None:
@@ -287,18 +271,7 @@ if gl is not None:
                           PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
-            n_pairs = gl.num_programs(0)
-            pid = gl.program_id(0)
-            if CAUSAL:
-                pid = n_pairs - 1 - pid
-            h = gl.program_id(1)
-            b = gl.program_id(2)
-            hk = h // group
-            m0 = pid * (2 * BLOCK_M)
-            if CAUSAL:
-                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
-            else:
-                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+            h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
             qdt: gl.constexpr = q_desc.dtype
             fp8: gl.constexpr = gl.float8e4nv
@@ -365,35 +338,17 @@ def _layouts(head_dim, bm, bn, qdt):
 def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     """The kernel compiled ahead of time for sm_90a (no GPU touched): dtype (Q's and O's) 'bf16' or 'fp16',
     config as in forward(). What bench/fp8_attention_sm90.py --aot-only inspects and available() tries once."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     if _fp8_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
     bm, bn, stages, p_smem = _config(head_dim, config)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, gdt)
+    q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
-                  P_SMEM=bool(p_smem), PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
-    types = {"q_desc": f"tensordesc<{dtype}[{bm}, {head_dim}],{q_layout!r}>",
-             "k_desc": f"tensordesc<fp8e4nv[{bn}, {head_dim}],{k_layout!r}>",
-             "v_desc": f"tensordesc<fp8e4nv[{head_dim}, {bn}],{v_layout!r}>",
+                  P_SMEM=bool(p_smem), **ROLE_CONSTS)
+    types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
+             "k_desc": tensordesc_type("fp8e4nv", (bn, head_dim), k_layout),
+             "v_desc": tensordesc_type("fp8e4nv", (head_dim, bn), v_layout),
              "KS": "*fp32", "VS": "*fp32", "O": f"*{dtype}", "LSE": "*fp32", "qk_scale": "fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(_fp8_fwd_sm90.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = types.get(name, "i32")
-            if sig[name].startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]   # what torch's allocations specialize to
-    src = GluonASTSource(fn=_fp8_fwd_sm90, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm90(index) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return aot_compile(_fp8_fwd_sm90, consts, types)
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,16 +364,7 @@ def _gluon_builds() -> bool:
 def available(device) -> bool:
     """True on a CUDA sm_90 device whose Triton's Gluon builds this kernel (checked once per process), outside
     the interpreter (whose K/V scale blocks are 32 rows, not the kernel's 128)."""
-    device = torch.device(device)
-    if _fp8_fwd_sm90 is None or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if f8.KV_BLOCK != KV_BLOCK_GPU:
-        return False
-    try:
-        sm90 = _cuda_sm90(device.index if device.index is not None else torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 - no driver, bad index
-        return False
-    return sm90 and _gluon_builds()
+    return _fp8_fwd_sm90 is not None and f8.KV_BLOCK == KV_BLOCK_GPU and on_sm90(device) and _gluon_builds()
 
 
 def _fail(msg):
@@ -500,14 +446,13 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [bm, d], q_layout)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [bn, d], k_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [d, bn], v_layout)
-    new = functools.partial(torch.full, fill_value=float("nan")) if _NAN_FILL else torch.empty
-    o = new(q.shape, dtype=q.dtype, device=q.device)
-    lse = new((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+    o = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
+    lse = new_output((batch, heads, seqlen), torch.float32, q.device, _NAN_FILL)
     grid = (-(-seqlen // (2 * bm)), heads, batch)
     _fp8_fwd_sm90[grid](q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, heads // kv_heads,
                         ks.stride(0), ks.stride(1), softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-                        STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=bool(p_smem), PRODUCER_WARPS=PRODUCER_WARPS,
-                        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps)
+                        STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=bool(p_smem), **ROLE_CONSTS,
+                        num_warps=num_warps)
     return o, lse
 
 

@@ -1,0 +1,159 @@
+"""What the Hopper Gluon kernels (attention_sm90, attention_sm90_bwd, fp8_attention_sm90) share on the host.
+
+Gluon's Hopper API, imported under a guard: it is Triton 3.6's here, and on another Triton (CI's 3.9
+interpreter) a module or a name may differ, so `gl` is None, GLUON_ERROR says why and each kernel module's
+available() says False. Beside it: the warp roles' register split, the ahead-of-time build for sm_90a (what
+available() tries once and the SASS scripts inspect), the device check, the token-row matrix TMA tiles, and
+the argument checks every dense attention call shares.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:  # Gluon's Hopper API as Triton 3.6 spells it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for _name in ("async_copy_global_to_shared", "make_tensor_descriptor"):
+        if not hasattr(tma, _name):
+            raise ImportError(_name)
+    if not hasattr(gl, "warp_specialize") or not hasattr(gl, "NVMMADistributedLayout"):
+        raise ImportError("warp_specialize")
+    GLUON_ERROR = None
+except Exception as _e:  # noqa: BLE001 - ImportError, or an API that differs (AttributeError, TypeError)
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    TensorDescriptor = None
+    GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+
+# The warp roles: one producer warp with few registers (it only issues TMA copies and waits on barriers),
+# two 4-warp consumer warpgroups with most of them.
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+ROLE_CONSTS = dict(PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
+
+
+def aot_compile(fn, consts: dict, types: dict, num_warps: int = 4):
+    """fn built for sm_90a without touching a GPU: consts the constexprs, types the Triton type of each other
+    argument by name (default i32); pointers specialized to 16-byte alignment, as torch's allocations are."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "i32")
+            if sig[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def tensordesc_type(dtype: str, block, layout) -> str:
+    """The signature type of a host TensorDescriptor argument, as aot_compile's types take it."""
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def on_sm90(device) -> bool:
+    """Whether device is a CUDA device of compute capability 9.0 (Hopper)."""
+    device = torch.device(device)
+    if gl is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    except Exception:  # noqa: BLE001 - no driver, a bad index
+        return False
+
+
+def token_rows(t):
+    """t (batch, seqlen, heads, head_dim) as the (batch * seqlen, heads * head_dim) matrix TMA tiles, without
+    a copy: the heads of a token side by side, tokens at one stride (a fused QKV projection's views too),
+    16-byte aligned. None when the layout does not allow it."""
+    b, n, h, d = t.shape
+    s0, s1, s2, s3 = t.stride()
+    if s3 != 1 or (s2 != d and h > 1) or (s0 != n * s1 and b > 1) or (s1 * t.element_size()) % 16 \
+            or t.data_ptr() % 16:
+        return None
+    return t.as_strided((b * n, h * d), (s1, 1))
+
+
+def as_rows(t):
+    """t and its token_rows matrix, copied to a contiguous tensor first where its layout does not allow one."""
+    rows = token_rows(t)
+    if rows is None:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+        rows = token_rows(t)
+    return t, rows
+
+
+def new_output(shape, dtype, device, nan_fill: bool):
+    """An output buffer; NaN-filled with nan_fill, so that an element no program writes shows in a test."""
+    if nan_fill:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
+    """ValueError naming what a Gluon attention kernel cannot take of a dense call: q, k, v tensors of the
+    (batch, seqlen, heads, head_dim) layout on q's device, k and v of one shape and batch, equal sequence
+    lengths, head_dim in head_dims, heads_q a multiple of heads_kv, a positive finite scale, a bool causal (no
+    windows), no empty input, batch and heads within the grid's 65535. Dtypes are the caller's to check."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError(f"{who}: q, k, v must be tensors")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{who}: only the dense (batch, seqlen, heads, head_dim) layout is supported "
+                         "(no varlen / cu_seqlens)")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{who}: q, k, v on different devices ({q.device}, {k.device}, {v.device})")
+    batch, seqlen, heads, d = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"{who}: k, v shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if k.shape[1] != seqlen:
+        raise ValueError(f"{who}: seqlen_q != seqlen_k ({seqlen} != {k.shape[1]}) is not supported")
+    if d not in head_dims:
+        raise ValueError(f"{who}: head_dim {d} is not supported (only {sorted(head_dims)})")
+    if heads % k.shape[2]:
+        raise ValueError(f"{who}: heads_q {heads} is not a multiple of heads_kv {k.shape[2]}")
+    if not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"{who}: softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{who}: causal must be a bool (no sliding windows)")
+    if batch * seqlen * heads == 0:
+        raise ValueError(f"{who}: empty inputs are not supported")
+    if batch > 65535 or heads > 65535:
+        raise ValueError(f"{who}: batch {batch} or heads {heads} exceeds the grid's 65535")
+
+
+query_pair_work = None
+if gluon is not None:
+    try:
+        @gluon.jit
+        def query_pair_work(seqlen, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+            """A program of a grid (query tile pairs, heads_q, batch) over key blocks: its query head h, batch
+            b, key/value head hk (GQA groups of `group`), first query row m0 (two BLOCK_M-row tiles from
+            there) and key-block count; causal pairs run latest (heaviest) first."""
+            pid = gl.program_id(0)
+            if CAUSAL:
+                pid = gl.num_programs(0) - 1 - pid
+            h = gl.program_id(1)
+            m0 = pid * (2 * BLOCK_M)
+            if CAUSAL:
+                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
+            else:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+            return h, gl.program_id(2), h // group, m0, n_blocks
+    except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators differ: the kernel modules see gl None
+        GLUON_ERROR = f"{type(_e).__name__}: {_e}"
+        gluon = gl = None
