@@ -33,22 +33,6 @@ def test_imports_and_is_unavailable_on_cpu():
         a9.forward(q, q, q, causal=False, softmax_scale=0.125)
 
 
-def test_token_rows_tiles_views_in_place_or_says_no():
-    """The (tokens, heads * head_dim) matrix of a contiguous tensor and of a fused-QKV view shares their
-    storage; a layout TMA cannot tile that way (heads not side by side, unaligned rows) gives None."""
-    x = torch.randn(2, 5, 3, 64)
-    rows = a9.token_rows(x)
-    assert rows.data_ptr() == x.data_ptr() and torch.equal(rows, x.reshape(10, 192))
-    fused = torch.randn(2, 5, 7, 64, dtype=torch.bfloat16)
-    q, k, v = fused.split([3, 2, 2], dim=2)
-    for t in (q, k, v):
-        rows = a9.token_rows(t)
-        assert rows.data_ptr() == t.data_ptr() and torch.equal(rows, t.reshape(10, -1))
-    assert a9.token_rows(x.transpose(1, 2).contiguous().transpose(1, 2)) is None   # heads apart
-    odd = torch.randn(2, 5, 3, 5)     # a token row of 15 fp32 elements: 60 bytes, no 16-byte multiple
-    assert a9.token_rows(odd) is None
-
-
 def _reference(q, k, v, causal, scale):
     """float64 o (q's layout) and natural-log lse (batch, heads_q, seqlen)."""
     group = q.shape[2] // k.shape[2]

@@ -1,0 +1,52 @@
+"""ops.gluon_sm90: the host-side pieces the Gluon kernels share (they run on any machine)."""
+import pytest
+import torch
+
+from tilewise.ops import gluon_sm90 as g
+
+
+def test_token_rows_tiles_views_in_place_or_says_no():
+    """The (tokens, heads * head_dim) matrix of a contiguous tensor and of a fused-QKV view shares their
+    storage; a layout TMA cannot tile that way (heads not side by side, unaligned rows) gives None."""
+    x = torch.randn(2, 5, 3, 64)
+    rows = g.token_rows(x)
+    assert rows.data_ptr() == x.data_ptr() and torch.equal(rows, x.reshape(10, 192))
+    fused = torch.randn(2, 5, 7, 64, dtype=torch.bfloat16)
+    q, k, v = fused.split([3, 2, 2], dim=2)
+    for t in (q, k, v):
+        rows = g.token_rows(t)
+        assert rows.data_ptr() == t.data_ptr() and torch.equal(rows, t.reshape(10, -1))
+    assert g.token_rows(x.transpose(1, 2).contiguous().transpose(1, 2)) is None   # heads apart
+    odd = torch.randn(2, 5, 3, 5)     # a token row of 15 fp32 elements: 60 bytes, no 16-byte multiple
+    assert g.token_rows(odd) is None
+
+
+
+def _qkv(b=2, n=16, hq=4, hkv=2, d=64):
+    return torch.randn(b, n, hq, d), torch.randn(b, n, hkv, d), torch.randn(b, n, hkv, d)
+
+
+def test_check_dense_accepts_a_dense_call_and_names_what_it_cannot_take():
+    q, k, v = _qkv()
+    g.check_dense("op", q, k, v, True, 0.125, (64, 128))
+    bad = [
+        ((q[0], k[0], v[0], True, 0.125), "dense"),                        # packed (varlen) layout
+        ((q, k[:, :8], v[:, :8], True, 0.125), "seqlen"),
+        ((q, k, v[..., :32], True, 0.125), "do not match"),
+        ((torch.randn(2, 16, 4, 96), torch.randn(2, 16, 2, 96), torch.randn(2, 16, 2, 96), True, 0.1), "head_dim"),
+        ((q, *_qkv(hkv=3)[1:], True, 0.125), "multiple"),
+        ((q, k, v, True, 0.0), "softmax_scale"),
+        ((q, k, v, True, float("inf")), "softmax_scale"),
+        ((q, k, v, (64, 0), 0.125), "causal"),                              # a window
+        ((*_qkv(b=0), False, 0.125), "empty"),
+        ((q, k, v.double().numpy(), False, 0.125), "tensors"),
+    ]
+    for args, words in bad:
+        with pytest.raises(ValueError, match=words):
+            g.check_dense("op", *args, (64, 128))
+
+
+def test_no_sm90_without_cuda_and_nan_filled_outputs():
+    assert g.on_sm90("cpu") is False
+    assert torch.isnan(g.new_output((3, 4), torch.float32, "cpu", True)).all()
+    assert g.new_output((3, 4), torch.bfloat16, "cpu", False).shape == (3, 4)
