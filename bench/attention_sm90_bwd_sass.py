@@ -12,10 +12,8 @@ bench/attention_sm90_sass.py's.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)   # the interpreter cannot compile
@@ -23,39 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(0, HERE)
 
-from attention_sm90_sass import cuobjdump, loops_with_wgmma  # noqa: E402
+from attention_sm90_sass import build_report  # noqa: E402
 
 
 def report(kind: str, d: int, causal: bool, dtype: str, cfg) -> dict:
     from tilewise.ops import attention_sm90_bwd as b9
-    r = {"kernel": kind, "head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)}
-    try:
-        k = b9.compile_sm90(kind, d, causal, dtype, cfg)
-    except Exception as e:  # noqa: BLE001 - report and go on
-        r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        return r
-    sass = cuobjdump(k, "-sass")
-    usage = cuobjdump(k, "-res-usage")
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    ptx = k.asm["ptx"]
-    loops = loops_with_wgmma(sass)
-    r.update({
-        "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
-        "shared_bytes": k.metadata.shared,
-        "spill_instructions": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
-        "wgmma": len(re.findall(r"\bHGMMA\.", sass)),
-        "wgmma_reg_a": len(re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+", sass)),
-        "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
-        "loops": [{"instructions": len(b),
-                   "wgmma": sum(t.startswith("HGMMA") for t in b),
-                   "wgmma_waits": sum(t.startswith("WARPGROUP.DEPBAR") for t in b),
-                   "mufu_ex2": sum(t.startswith("MUFU.EX2") for t in b),
-                   "top": dict(collections.Counter(t.split()[0].split(".")[0] for t in b).most_common(8))}
-                  for b in loops],
-    })
-    r["ok"] = r["spill_instructions"] == 0 and r["wgmma"] > 0
-    return r
+    return build_report({"kernel": kind, "head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)},
+                        lambda: b9.compile_sm90(kind, d, causal, dtype, cfg))
 
 
 def main(argv=None) -> int:
@@ -90,7 +62,7 @@ def main(argv=None) -> int:
                                           f"{l['mufu_ex2']} ex2" for l in r["loops"][:2])
                         print(f"{head}  regs {r['registers']:3} spills {r['spill_instructions']} "
                               f"stack {r['stack']} smem {r['shared_bytes']} wgmma {r['wgmma']} "
-                              f"(A in regs {r['wgmma_reg_a']}) setmaxnreg {sorted(set(r['setmaxnreg']), key=int)}"
+                              f"(A in regs {r['wgmma_reg_a']}) setmaxnreg {r['setmaxnreg']}"
                               f"  consumer loops: {loops}", flush=True)
     if args.json:
         print(json.dumps(out))

@@ -41,25 +41,29 @@ def cuobjdump(kernel, flag: str) -> str:
 
 
 def loops_with_wgmma(sass: str) -> list[list[str]]:
-    """The innermost loops (backward branches) whose body holds a wgmma: the consumer warpgroups' key-block
-    loops, one per consumer partition. A loop that holds another such loop is left out."""
+    """The innermost loops (backward branches) whose body holds a wgmma (SASS HGMMA, or QGMMA for FP8): the
+    consumer warpgroups' loops, one per consumer partition. A loop that holds another such loop is left out;
+    predicates are dropped."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     spans = []
     for addr, text in ins:
         target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             lo = int(target.group(1), 16)
-            if any("HGMMA" in t for a, t in ins if lo <= a <= addr):
+            if any("GMMA" in t for a, t in ins if lo <= a <= addr):
                 spans.append((lo, addr))
     inner = [(lo, hi) for lo, hi in spans
              if not any((lo2, hi2) != (lo, hi) and lo <= lo2 and hi2 <= hi for lo2, hi2 in spans)]
     return [[re.sub(r"^@!?U?P\w+\s+", "", t).strip() for a, t in ins if lo <= a <= hi] for lo, hi in inner]
 
 
-def report(d: int, causal: bool, dtype: str, cfg) -> dict:
-    r = {"head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)}
+def build_report(r: dict, build) -> dict:
+    """r updated with what the kernel build() returns says: registers, stack, shared memory, spill
+    instructions, wgmma counts (16-bit HGMMA; E4M3 QGMMA; those with A from registers), setmaxnreg, and per
+    consumer loop its instructions, wgmmas, wgmma waits, exp2s, barriers, shuffles and top opcodes; or the
+    build's error. r["ok"]: it built, spills nothing and has a wgmma."""
     try:
-        k = compile_kernel(d, causal, dtype, cfg)
+        k = build()
     except Exception as e:  # noqa: BLE001 - report and go on
         r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         return r
@@ -67,24 +71,31 @@ def report(d: int, causal: bool, dtype: str, cfg) -> dict:
     usage = cuobjdump(k, "-res-usage")
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    ptx = k.asm["ptx"]
-    loops = loops_with_wgmma(sass)
     r.update({
         "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
         "shared_bytes": k.metadata.shared,
         "spill_instructions": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         "wgmma": len(re.findall(r"\bHGMMA\.", sass)),
-        "wgmma_reg_a": len(re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+", sass)),
-        "setmaxnreg": re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
+        "fp8_wgmma": len(re.findall(r"\bQGMMA\.\S+E4M3\.E4M3", sass)),
+        "wgmma_reg_a": len(re.findall(r"\b[HQ]GMMA\.\S+\s+R\d+,\s*R\d+", sass)),
+        "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])),
+                             key=int),
         "loops": [{"instructions": len(b),
-                   "wgmma": sum(t.startswith("HGMMA") for t in b),
+                   "wgmma": sum("GMMA" in t.split()[0] for t in b),
                    "wgmma_waits": sum(t.startswith("WARPGROUP.DEPBAR") for t in b),
                    "mufu_ex2": sum(t.startswith("MUFU.EX2") for t in b),
+                   "bar_sync": sum(t.startswith("BAR.SYNC") for t in b),
+                   "shfl": sum(t.startswith("SHFL") for t in b),
                    "top": dict(collections.Counter(t.split()[0].split(".")[0] for t in b).most_common(8))}
-                  for b in loops],
+                  for b in loops_with_wgmma(sass)],
     })
-    r["ok"] = r["spill_instructions"] == 0 and r["wgmma"] > 0
+    r["ok"] = r["spill_instructions"] == 0 and (r["wgmma"] + r["fp8_wgmma"]) > 0
     return r
+
+
+def report(d: int, causal: bool, dtype: str, cfg) -> dict:
+    return build_report({"head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)},
+                        lambda: compile_kernel(d, causal, dtype, cfg))
 
 
 def main(argv=None) -> int:
@@ -119,7 +130,7 @@ def main(argv=None) -> int:
                                       f"{l['mufu_ex2']} ex2" for l in r["loops"][:2])
                     print(f"{head}  regs {r['registers']:3} spills {r['spill_instructions']} "
                           f"stack {r['stack']} smem {r['shared_bytes']} wgmma {r['wgmma']} (A in regs {r['wgmma_reg_a']}) "
-                          f"setmaxnreg {sorted(set(r['setmaxnreg']), key=int)}  consumer loops: {loops}")
+                          f"setmaxnreg {r['setmaxnreg']}  consumer loops: {loops}")
     if args.json:
         print(json.dumps(out))
     return 1 if bad else 0

@@ -25,14 +25,10 @@ Exit status 1 when a build fails, spills or has no E4M3 wgmma.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,65 +44,13 @@ MAX_LSE = 1e-2
 
 # ------------------------------------------------------------------------------------------ AOT / SASS
 
-def _cuobjdump(kernel, flag: str) -> str:
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def _mma_loops(sass: str) -> list[list[str]]:
-    """The innermost loops (backward branches) whose body holds a wgmma (SASS HGMMA / QGMMA): the consumer
-    warpgroups' key-block loops; a loop holding another such loop is left out. Predicates dropped."""
-    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    spans = []
-    for addr, text in ins:
-        target = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            lo = int(target.group(1), 16)
-            if any("GMMA" in t for a, t in ins if lo <= a <= addr):
-                spans.append((lo, addr))
-    inner = [(lo, hi) for lo, hi in spans
-             if not any((lo2, hi2) != (lo, hi) and lo <= lo2 and hi2 <= hi for lo2, hi2 in spans)]
-    return [[re.sub(r"^@!?U?P\w+\s+", "", t).strip() for a, t in ins if lo <= a <= hi] for lo, hi in inner]
-
-
 def aot_report(d: int, causal: bool, dtype: str, cfg) -> dict:
+    from attention_sm90_sass import build_report
     from tilewise.ops import fp8_attention_sm90 as f9
-    r = {"head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)}
-    try:
-        k = f9.compile_sm90(d, causal, dtype, tuple(cfg))
-    except Exception as e:  # noqa: BLE001 - report and go on
-        r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        return r
-    sass = _cuobjdump(k, "-sass")
-    usage = _cuobjdump(k, "-res-usage")
-    regs = re.search(r"REG:(\d+)", usage)
-    stack = re.search(r"STACK:(\d+)", usage)
-    loops = _mma_loops(sass)
-    r.update({
-        "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
-        "shared_bytes": k.metadata.shared,
-        "spill_instructions": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
-        "fp8_wgmma": len(re.findall(r"\bQGMMA\.\S+E4M3\.E4M3", sass)),
-        "other_wgmma": len(re.findall(r"\bHGMMA\.", sass)),
-        "fp8_wgmma_reg_a": len(re.findall(r"\bQGMMA\.\S+\s+R\d+,\s*R\d+", sass)),
-        "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])),
-                             key=int),
-        "loops": [{"instructions": len(b),
-                   "wgmma": sum("GMMA" in t.split()[0] for t in b),
-                   "wgmma_waits": sum(t.startswith("WARPGROUP.DEPBAR") for t in b),
-                   "mufu_ex2": sum(t.startswith("MUFU.EX2") for t in b),
-                   "bar_sync": sum(t.startswith("BAR.SYNC") for t in b),
-                   "shfl": sum(t.startswith("SHFL") for t in b),
-                   "top": dict(collections.Counter(t.split()[0].split(".")[0] for t in b).most_common(8))}
-                  for b in loops],
-    })
-    r["ok"] = r["spill_instructions"] == 0 and r["fp8_wgmma"] > 0
+    r = build_report({"head_dim": d, "causal": causal, "dtype": dtype, "config": list(cfg)},
+                     lambda: f9.compile_sm90(d, causal, dtype, tuple(cfg)))
+    if "error" not in r:
+        r["ok"] = r["ok"] and r["fp8_wgmma"] > 0
     return r
 
 
@@ -131,8 +75,8 @@ def aot_main(head_dims, dtypes, as_json) -> int:
                                       f"{l['mufu_ex2']} ex2, {l['bar_sync']} bar, {l['shfl']} shfl"
                                       for l in r["loops"][:2])
                     print(f"{head}  regs {r['registers']:3} spills {r['spill_instructions']} stack {r['stack']} "
-                          f"smem {r['shared_bytes']} E4M3 wgmma {r['fp8_wgmma']} (A in regs {r['fp8_wgmma_reg_a']}, "
-                          f"non-FP8 {r['other_wgmma']}) setmaxnreg {r['setmaxnreg']}  consumer loops: {loops}",
+                          f"smem {r['shared_bytes']} E4M3 wgmma {r['fp8_wgmma']} (A in regs {r['wgmma_reg_a']}, "
+                          f"non-FP8 {r['wgmma']}) setmaxnreg {r['setmaxnreg']}  consumer loops: {loops}",
                           flush=True)
     if as_json:
         print(json.dumps(out))
