@@ -59,7 +59,7 @@ import torch
 
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
-                         tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
+                         stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 
@@ -196,16 +196,8 @@ if gl is not None:
             mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_tiles.index(0))
             tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_tiles.index(1))
-            for j in range(n_blocks):
-                stage = j % STAGES
-                free_phase = ((j // STAGES) & 1) ^ 1   # the first round finds every stage free
-                row = kv_row + j * BLOCK_N
-                mbarrier.wait(k_free.index(stage), free_phase)
-                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_full.index(stage), k_ring.index(stage))
-                mbarrier.wait(v_free.index(stage), free_phase)
-                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_full.index(stage), v_ring.index(stage))
+            stream_kv(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, kv_row, kv_col, kv_row, kv_col,
+                      n_blocks, BLOCK_N, STAGES, False)
 
         @gluon.jit
         def _attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, seqlen, heads, group, qk_scale,

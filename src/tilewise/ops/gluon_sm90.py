@@ -136,7 +136,7 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
         raise ValueError(f"{who}: batch {batch} or heads {heads} exceeds the grid's 65535")
 
 
-query_pair_work = None
+query_pair_work = stream_kv = None
 if gluon is not None:
     try:
         @gluon.jit
@@ -154,6 +154,29 @@ if gluon is not None:
             else:
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
             return h, gl.program_id(2), h // group, m0, n_blocks
+
+        @gluon.jit
+        def stream_kv(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, k_row, k_col, v_row, v_col,
+                      n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+            """A producer's key blocks: K_j (the tile at row k_row + j BLOCK_N, column k_col) and V_j (at v_row +
+            j BLOCK_N, v_col; with V_TRANSPOSED the V^T tile at v_row, v_col + j BLOCK_N) into stage j % STAGES
+            of their rings, each once both consumers freed the stage (k_free / v_free, waited with the opposite
+            parity of the round, so the first round finds every stage free), signalled on k_full / v_full."""
+            for j in range(n_blocks):
+                stage = j % STAGES
+                free_phase = ((j // STAGES) & 1) ^ 1
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_full.index(stage),
+                                                k_ring.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
+                if V_TRANSPOSED:
+                    tma.async_copy_global_to_shared(v_desc, [v_row, v_col + j * BLOCK_N], v_full.index(stage),
+                                                    v_ring.index(stage))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_full.index(stage),
+                                                    v_ring.index(stage))
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators differ: the kernel modules see gl None
         GLUON_ERROR = f"{type(_e).__name__}: {_e}"
         gluon = gl = None
