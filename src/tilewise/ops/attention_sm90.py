@@ -58,8 +58,9 @@ import os
 import torch
 
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
-                         check_dense, fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
-                         stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
+                         check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
+                         new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 
@@ -213,19 +214,11 @@ if gl is not None:
             k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
             v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_full, v_full, k_free, v_free = kv_ring_barriers(STAGES)
             turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # see _consumer
             mbarrier.init(q_bar, count=1)
             mbarrier.init(turn.index(0), count=1)
             mbarrier.init(turn.index(1), count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_full.index(i), count=1)
-                mbarrier.init(v_full.index(i), count=1)
-                mbarrier.init(k_free.index(i), count=2)   # one arrive per consumer warpgroup
-                mbarrier.init(v_free.index(i), count=2)
             fence_async_shared()
 
             row0 = m0
@@ -245,11 +238,7 @@ if gl is not None:
             mbarrier.invalidate(q_bar)
             mbarrier.invalidate(turn.index(0))
             mbarrier.invalidate(turn.index(1))
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(k_full.index(i))
-                mbarrier.invalidate(v_full.index(i))
-                mbarrier.invalidate(k_free.index(i))
-                mbarrier.invalidate(v_free.index(i))
+            invalidate_kv_ring(k_full, v_full, k_free, v_free, STAGES)
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
         _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
         _attn_fwd_sm90 = None

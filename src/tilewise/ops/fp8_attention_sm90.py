@@ -70,8 +70,8 @@ import torch
 
 from . import fp8_attention as f8
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
-                         fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
-                         stream_kv, tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+                         fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
+                         on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers
@@ -272,16 +272,8 @@ if gl is not None:
             k_ring = gl.allocate_shared_memory(fp8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
             v_ring = gl.allocate_shared_memory(fp8, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_full, v_full, k_free, v_free = kv_ring_barriers(STAGES)
             mbarrier.init(q_bar, count=1)
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_full.index(i), count=1)
-                mbarrier.init(v_full.index(i), count=1)
-                mbarrier.init(k_free.index(i), count=2)   # one arrive per consumer warpgroup
-                mbarrier.init(v_free.index(i), count=2)
             fence_async_shared()
 
             if P_SMEM:
@@ -307,11 +299,7 @@ if gl is not None:
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(q_bar)
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(k_full.index(i))
-                mbarrier.invalidate(v_full.index(i))
-                mbarrier.invalidate(k_free.index(i))
-                mbarrier.invalidate(v_free.index(i))
+            invalidate_kv_ring(k_full, v_full, k_free, v_free, STAGES)
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
         _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
         _fp8_fwd_sm90 = None

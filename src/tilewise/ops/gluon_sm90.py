@@ -136,7 +136,7 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
         raise ValueError(f"{who}: batch {batch} or heads {heads} exceeds the grid's 65535")
 
 
-query_pair_work = stream_kv = None
+query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = None
 if gluon is not None:
     try:
         @gluon.jit
@@ -154,6 +154,29 @@ if gluon is not None:
             else:
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
             return h, gl.program_id(2), h // group, m0, n_blocks
+
+        @gluon.jit
+        def kv_ring_barriers(STAGES: gl.constexpr):
+            """The mbarriers of a STAGES-deep K/V ring, initialized: k_full, v_full (one arrive: the producer's
+            expect, then the TMA transaction count) and k_free, v_free (one arrive per consumer warpgroup)."""
+            k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k_full.index(i), count=1)
+                mbarrier.init(v_full.index(i), count=1)
+                mbarrier.init(k_free.index(i), count=2)
+                mbarrier.init(v_free.index(i), count=2)
+            return k_full, v_full, k_free, v_free
+
+        @gluon.jit
+        def invalidate_kv_ring(k_full, v_full, k_free, v_free, STAGES: gl.constexpr):
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(k_full.index(i))
+                mbarrier.invalidate(v_full.index(i))
+                mbarrier.invalidate(k_free.index(i))
+                mbarrier.invalidate(v_free.index(i))
 
         @gluon.jit
         def stream_kv(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, k_row, k_col, v_row, v_col,
