@@ -25,7 +25,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   start=$(date +%s)
   case "$stage" in
-    tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} > "$OUT/tests.log" 2>&1 ;;
+    tests)   # TESTS_PARALLEL=1: one pytest process per path of TESTS, side by side (for compile-bound tests)
+      if [ -n "${TESTS_PARALLEL:-}" ]; then
+        i=0
+        for path in ${TESTS:-tests}; do
+          i=$((i + 1))
+          timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider "$path" > "$OUT/tests_$i.log" 2>&1 &
+        done
+        wait
+      else
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+      fi ;;
     attention|fused|cross_entropy|fp8|dataloader|checkpoint|e2e|distributed|host_overhead|host_threads|multigpu|convergence|fp8_transpose_probe|attention_clocks|host_trace|adamw|fp8_attention_ablate|linear|attention_sm90|attention_sm90_bwd|fp8_attention_sm90)
       timeout ${BENCH_TIMEOUT:-300} python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} ${BENCH_ARGS:-} > "$OUT/$stage.log" 2>&1 ;;
     train124m|train124m-ref)   # the trainer on GPT-2 124M: Triton ops (auto) or the PyTorch reference ops

@@ -38,7 +38,7 @@ def tma(monkeypatch):
     covers on sm_90. 'ptr' and 'tma' keep every call on the Triton kernels."""
     def select(path):
         monkeypatch.setenv("TILEWISE_ATTN_TMA", "0" if path == "ptr" else "1")
-        monkeypatch.setattr(attn, "_GLUON_FORWARD", path == "gluon")
+        monkeypatch.setattr(attn, "_GLUON", path == "gluon")
     return select
 
 
@@ -578,28 +578,57 @@ def test_gpu_head_dims_gqa(head_dim, path, tma):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_forward_takes_the_calls_it_covers(tma, monkeypatch):
-    """flash_attention's forward goes to attention_sm90 for a dense causal or full call with equal lengths,
-    fused-QKV views included (no copy); windows, unequal lengths and head_dim 96 stay on the Triton kernel.
-    Either way the results match the float64 reference (check)."""
-    from tilewise.ops import attention_sm90
-    if not attention_sm90.available("cuda"):
-        pytest.skip(f"no Gluon forward here ({attention_sm90._GLUON_ERROR})")
+def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
+    """flash_attention's forward goes to attention_sm90 and its backward to attention_sm90_bwd for a dense
+    causal or full call with equal lengths, fused-QKV views included (no copy); windows, unequal lengths,
+    head_dim 96 and a dLSE stay on the Triton kernels. Either way the results match the float64 reference
+    (check)."""
+    from tilewise.ops import attention_sm90, attention_sm90_bwd
+    if not (attention_sm90.available("cuda") and attention_sm90_bwd.available("cuda")):
+        pytest.skip(f"no Gluon kernels here ({attention_sm90._GLUON_ERROR})")
     tma("gluon")
-    calls = []
-    real = attention_sm90.forward
-    monkeypatch.setattr(attention_sm90, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = {"fwd": 0, "bwd": 0}
+    for module, name, kind in ((attention_sm90, "forward", "fwd"), (attention_sm90_bwd, "backward", "bwd")):
+        real = getattr(module, name)
+
+        def counted(*a, _real=real, _kind=kind, **kw):
+            calls[_kind] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
 
     def taken(q, k, v, **kw):
-        before = len(calls)
+        before = dict(calls)
         check(q, k, v, **kw)
-        return len(calls) > before
+        return calls["fwd"] > before["fwd"], calls["bwd"] > before["bwd"]
     fused = _rand(2, 777, 12, 128, dtype=torch.bfloat16, device="cuda")
-    assert taken(*fused.split([8, 2, 2], dim=2), causal=True)
-    assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda"))
-    assert not taken(*qkv(1, 300, 300, 4, 4, 128, device="cuda"), window=(64, 0))
-    assert not taken(*qkv(1, 200, 300, 4, 4, 128, device="cuda"), causal=True)
-    assert not taken(*qkv(1, 300, 300, 4, 4, 96, device="cuda"))
+    assert taken(*fused.split([8, 2, 2], dim=2), causal=True) == (True, True)
+    assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda")) == (True, True)
+    assert taken(*qkv(1, 300, 300, 4, 2, 128, device="cuda"), causal=True, with_lse=True) == (True, False)
+    assert taken(*qkv(1, 300, 300, 4, 4, 128, device="cuda"), window=(64, 0)) == (False, False)
+    assert taken(*qkv(1, 200, 300, 4, 4, 128, device="cuda"), causal=True) == (False, False)
+    assert taken(*qkv(1, 300, 300, 4, 4, 96, device="cuda")) == (False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 8, 2), (64, 6, 6)])
+def test_gpu_gluon_backward_writes_the_fused_qkv_gradient(head_dim, hq, hkv, tma):
+    """flash_attention_qkv's backward writes dQ, dK, dV through the Gluon kernels straight into views of one
+    qkv gradient: bitwise what the split views' three gradients give (the Gluon backward has no atomics),
+    and close to the float64 reference."""
+    from tilewise.ops import attention_sm90_bwd
+    if not attention_sm90_bwd.available("cuda"):
+        pytest.skip(f"no Gluon backward here ({attention_sm90_bwd._GLUON_ERROR})")
+    tma("gluon")
+    qkv_ = _rand(2, 1000, hq + 2 * hkv, head_dim, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(2, 1000, hq, head_dim, device="cuda")
+    with ops.use("triton"):
+        got, _ = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True), (qkv_,), dout)
+        want, _ = _grads(lambda t: flash_attention(*t.split([hq, hkv, hkv], dim=-2), causal=True), (qkv_,), dout)
+    ref, _ = _grads(lambda t: _dense_attention(*t.split([hq, hkv, hkv], dim=-2), True, head_dim ** -0.5, None),
+                    (qkv_.double(),), dout)
+    for a, b, r in zip(got, want, ref):
+        assert torch.equal(a, b)
+        assert _rel(a, r) < 0.02, _rel(a, r)
 
 
 @pytest.mark.gpu

@@ -26,8 +26,9 @@ Flash attention: the N x N scores never reach HBM.
   same way. Memory is O(N): no N x N tensor is kept.
 - Hopper: on sm_90 the forward of a padded batch without a window, with equal query and key lengths, a
   16-bit dtype and head_dim 64 or 128 runs attention_sm90's Gluon kernel instead (a TMA producer warp,
-  two consumer warpgroups, the softmax under the P V wgmma; same O and LSE conventions, so the backward
-  below is shared). TILEWISE_ATTN_GLUON=0 keeps it on the Triton kernel, the one the interpreter runs.
+  two consumer warpgroups, the softmax under the P V wgmma; same O and LSE conventions), and its backward
+  (without a dLSE) attention_sm90_bwd's two Gluon kernels after this file's prep kernel. TILEWISE_ATTN_GLUON=0
+  keeps both on the Triton kernels, the ones the interpreter runs.
 - Loads: when the layout allows it (CUDA sm90+, 16-bit dtype, head_dim a power of two, the heads of a token
   side by side) K, V, Q and dO tiles come through host TMA tensor descriptors; otherwise (and with
   TILEWISE_ATTN_TMA=0) through masked pointer loads. Both are the same kernels (USE_TMA constexpr), and the
@@ -75,7 +76,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from . import attention_sm90
+from . import attention_sm90, attention_sm90_bwd
 from .dispatch import INTERPRET as _INTERPRET, use_triton
 from .launch import FastLauncher
 
@@ -988,20 +989,30 @@ def _direct_launch(kern, key, use_tma, args, grid, n_lead):
     return launch, grid(bm, bn, example[0].shape[0]), example[n_lead:], bm, bn
 
 
-# The Gluon forward (attention_sm90) takes the padded-batch calls it covers on sm_90; TILEWISE_ATTN_GLUON=0
-# keeps every call on the Triton kernel below, which is also what the interpreter and CI run.
-_GLUON_FORWARD = os.environ.get("TILEWISE_ATTN_GLUON", "1") != "0"
+# The Gluon kernels (attention_sm90 forward, attention_sm90_bwd backward) take the padded-batch calls they
+# cover on sm_90; TILEWISE_ATTN_GLUON=0 keeps every call on the Triton kernels below, which are also what the
+# interpreter and CI run.
+_GLUON = os.environ.get("TILEWISE_ATTN_GLUON", "1") != "0"
 
 
 def _gluon_forward_applies(q, k, v, softmax_scale, left, right) -> bool:
     """Whether attention_sm90.forward computes this padded-batch call: no window (causal or not), equal
     sequence lengths, a 16-bit dtype, head_dim 64 or 128, a positive scale, and token rows TMA can tile in
     place (see attention_sm90.token_rows)."""
-    return (_GLUON_FORWARD and left < 0 and right <= 0 and q.is_cuda and q.shape[1] == k.shape[1]
+    return (_GLUON and left < 0 and right <= 0 and q.is_cuda and q.shape[1] == k.shape[1]
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in attention_sm90.CONFIGS
             and softmax_scale > 0 and q.numel() > 0 and q.shape[0] <= _MAX_GRID_YZ
             and q.shape[2] <= _MAX_GRID_YZ and all(attention_sm90.token_rows(t) is not None for t in (q, k, v))
             and attention_sm90.available(q.device))
+
+
+def _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads) -> bool:
+    """Whether attention_sm90_bwd.backward computes this padded-batch backward: the forward's conditions,
+    no gradient of the LSE, and given gradients (the fused-QKV views) in token rows, dK's strides dV's."""
+    return (dlse is None and _gluon_forward_applies(q, k, v, softmax_scale, left, right)
+            and attention_sm90_bwd.available(q.device)
+            and (grads is None or (all(attention_sm90.token_rows(g) is not None for g in grads)
+                                   and grads[1].stride() == grads[2].stride())))
 
 
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
@@ -1140,6 +1151,9 @@ def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softma
     packed path; dK and dV share their strides). A padded batch's call signature seen before launches through
     its plan (_backward_plan), as the forward does."""
     sig = None
+    if cu_seqlens is None and _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads):
+        return attention_sm90_bwd.backward(dout, q, k, v, out, lse, causal=right == 0,
+                                           softmax_scale=softmax_scale, grads=grads)
     if cu_seqlens is None:
         sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads)
         plan = _DQ.plans.get(sig)

@@ -1,7 +1,8 @@
-"""Flash-attention backward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma (prototype).
+"""Flash-attention backward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-Not dispatched yet. Measured at 9a9ef10 (H200, bench/attention_sm90_bwd.py, backward TFLOP/s with the
-fastest config pair, counted as 2.5x the forward's FLOPs): d128 4 x 4096 x 16 heads 437.8 against the
+attention.py's backward dispatches here for the dense calls it covers (_gluon_backward_applies); the
+fused-QKV entry's gradient views are written in place. Measured at 9a9ef10 (H200, bench/attention_sm90_bwd.py,
+backward TFLOP/s with the fastest config pair, counted as 2.5x the forward's FLOPs): d128 4 x 4096 x 16 heads 437.8 against the
 Triton backward's 421.2 non-causal and 389.0 against 363.4 causal (cuDNN 508.0 / 451.0); d64 4 x 4096 x 32
 heads 368.6 / 328.3 against 364.0 / 323.6. The gradients agreed with the Triton backward's (max relative
 difference under 0.6%); 14 of the gpu tests passed before that run's time limit, the rest have not run.
@@ -91,7 +92,7 @@ if gl is not None:
         # ------------------------------------------------------------------------------------------
         @gluon.jit
         def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_full, do_full, free,
-                           DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, heads_kv, h0, q_lo, n_iter,
+                           DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, out_row, h0, q_lo, n_iter,
                            qk_scale, softmax_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -169,7 +170,7 @@ if gl is not None:
             rows = key0 + gl.arange(0, BLOCK_N, layout=row_g)
             dcol = gl.arange(0, HEAD_DIM, layout=col_g)
             row64 = (b * seqlen + rows).to(gl.int64)
-            offs = gl.expand_dims(row64 * (heads_kv * HEAD_DIM) + hk * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            offs = gl.expand_dims(row64 * out_row + hk * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
             mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
             gl.store(DV + offs, dv.to(dtype), mask=mask)
             gl.store(DK + offs, (dk * softmax_scale).to(dtype), mask=mask)
@@ -208,7 +209,7 @@ if gl is not None:
 
         @gluon.jit
         def _attn_bwd_dkdv_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, LSE2, DELTA,
-                                seqlen, heads, heads_kv, group, qk_scale, softmax_scale,
+                                seqlen, heads, out_row, group, qk_scale, softmax_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                                 STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                 PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -246,10 +247,10 @@ if gl is not None:
             key1 = n0 + BLOCK_N
             gl.warp_specialize([
                 (_dkdv_consumer, (k_tiles.index(0), v_tiles.index(0), q_ring, do_ring, kv_bar, q_full, do_full,
-                                  free, DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, heads_kv, h0, q_lo,
+                                  free, DK, DV, LSE2, DELTA, key0, seqlen, b, hk, heads, out_row, h0, q_lo,
                                   n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, CAUSAL)),
                 (_dkdv_consumer, (k_tiles.index(1), v_tiles.index(1), q_ring, do_ring, kv_bar, q_full, do_full,
-                                  free, DK, DV, LSE2, DELTA, key1, seqlen, b, hk, heads, heads_kv, h0, q_lo,
+                                  free, DK, DV, LSE2, DELTA, key1, seqlen, b, hk, heads, out_row, h0, q_lo,
                                   n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, CAUSAL)),
                 (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
                                   q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
@@ -267,7 +268,8 @@ if gl is not None:
         # ------------------------------------------------------------------------------------------
         @gluon.jit
         def _dq_consumer(q_tile, do_tile, k_ring, v_ring, qdo_bar, k_full, v_full, k_free, v_free,
-                         DQ, LSE2, DELTA, row0, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale,
+                         DQ, LSE2, DELTA, out_row, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                         softmax_scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks key
@@ -326,7 +328,7 @@ if gl is not None:
             rows = row0 + gl.arange(0, BLOCK_M, layout=row_g)
             dcol = gl.arange(0, HEAD_DIM, layout=col_g)
             row64 = (b * seqlen + rows).to(gl.int64)
-            ptrs = DQ + gl.expand_dims(row64 * (heads * HEAD_DIM) + h * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            ptrs = DQ + gl.expand_dims(row64 * out_row + h * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
             mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
             gl.store(ptrs, (dq * softmax_scale).to(dtype), mask=mask)
 
@@ -345,7 +347,7 @@ if gl is not None:
 
         @gluon.jit
         def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, DQ, LSE2, DELTA,
-                              seqlen, heads, group, qk_scale, softmax_scale,
+                              seqlen, heads, out_row, group, qk_scale, softmax_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                               PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -367,11 +369,11 @@ if gl is not None:
             row1 = m0 + BLOCK_M
             gl.warp_specialize([
                 (_dq_consumer, (q_tiles.index(0), do_tiles.index(0), k_ring, v_ring, qdo_bar, k_full, v_full,
-                                k_free, v_free, DQ, LSE2, DELTA, row0, seqlen, b, h, heads, n_blocks, qk_scale,
-                                softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                                k_free, v_free, DQ, LSE2, DELTA, out_row, row0, seqlen, b, h, heads, n_blocks,
+                                qk_scale, softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
                 (_dq_consumer, (q_tiles.index(1), do_tiles.index(1), k_ring, v_ring, qdo_bar, k_full, v_full,
-                                k_free, v_free, DQ, LSE2, DELTA, row1, seqlen, b, h, heads, n_blocks, qk_scale,
-                                softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                                k_free, v_free, DQ, LSE2, DELTA, out_row, row1, seqlen, b, h, heads, n_blocks,
+                                qk_scale, softmax_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring, qdo_bar,
                                 k_full, v_full, k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen,
                                 hk * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
@@ -485,42 +487,60 @@ def _descriptors(q, dout, k, v, bm, bn):
             TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout))
 
 
+def _output_rows(t, like, name) -> int:
+    """The token-row stride of output t: a tensor of `like`'s shape and dtype whose token rows the kernels'
+    stores address as token_rows does (a contiguous tensor, or a view of a fused QKV gradient)."""
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device or token_rows(t) is None:
+        raise ValueError(f"attention_sm90_bwd: {name} must have shape {tuple(like.shape)}, {like.dtype}, on "
+                         f"{like.device}, in token rows (see token_rows); got {tuple(t.shape)} {t.dtype} "
+                         f"strides {t.stride()}")
+    return t.stride(1)
+
+
 def launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal: bool, softmax_scale: float, config=None,
                 num_warps: int = 4):
-    """The Gluon replacement of attention.py's `_attn_bwd_dkdv` (dense): writes dk, dv (contiguous, k's shape
-    and dtype) from q, k, v, dout (token rows TMA tiles in place: see token_rows) and the prep's lse2, delta
-    (float32 contiguous (batch, heads_q, seqlen))."""
+    """The Gluon replacement of attention.py's `_attn_bwd_dkdv` (dense): writes dk, dv (k's shape and dtype,
+    token rows of one stride: contiguous, or views of a fused QKV gradient) from q, k, v, dout (token rows
+    TMA tiles in place: see token_rows) and the prep's lse2, delta (float32 contiguous (batch, heads_q,
+    seqlen))."""
     batch, seqlen, heads, d = q.shape
     heads_kv = k.shape[2]
+    out_row = _output_rows(dk, k, "dk")
+    if _output_rows(dv, k, "dv") != out_row:
+        raise ValueError(f"attention_sm90_bwd: dk and dv must share their strides, got {dk.stride()} and "
+                         f"{dv.stride()}")
     config = tuple(config) if config is not None else CONFIGS["dkdv"][d][0]
     bn, bm, stages = config
     descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
-    _attn_bwd_dkdv_sm90[grid](*descs, dk, dv, lse2, delta, seqlen, heads, heads_kv, heads // heads_kv,
+    _attn_bwd_dkdv_sm90[grid](*descs, dk, dv, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
                               softmax_scale * LOG2E, softmax_scale, **_consts("dkdv", d, causal, config),
                               num_warps=num_warps)
 
 
 def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float, config=None,
               num_warps: int = 4):
-    """The Gluon replacement of attention.py's `_attn_bwd_dq` (dense): writes dq (contiguous, q's shape and
-    dtype); the inputs as launch_dkdv's."""
+    """The Gluon replacement of attention.py's `_attn_bwd_dq` (dense): writes dq (q's shape and dtype, token
+    rows as launch_dkdv's dk); the inputs as launch_dkdv's."""
     batch, seqlen, heads, d = q.shape
     heads_kv = k.shape[2]
+    out_row = _output_rows(dq, q, "dq")
     config = tuple(config) if config is not None else CONFIGS["dq"][d][0]
     bm, bn, stages = config
     descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bm)), heads, batch)
-    _attn_bwd_dq_sm90[grid](*descs, dq, lse2, delta, seqlen, heads, heads // heads_kv,
+    _attn_bwd_dq_sm90[grid](*descs, dq, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
                             softmax_scale * LOG2E, softmax_scale, **_consts("dq", d, causal, config),
                             num_warps=num_warps)
 
 
-def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_config=None, dq_config=None):
+def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_config=None, dq_config=None,
+             grads=None):
     """(dq, dk, dv) of attention.py's dense backward with dLSE = None: attention.py's prep kernel
     (`_backward_prep`: lse2 = lse * log2(e), delta = rowsum(dO * O)), then the two Gluon kernels. o and lse are
-    the forward's (attention.py's or attention_sm90.py's, natural-log lse). Raises ValueError for what it does
-    not support."""
+    the forward's (attention.py's or attention_sm90.py's, natural-log lse). grads: (dq, dk, dv) to write into
+    (views of one fused QKV gradient, as attention.py's FlashAttnQKVFunction passes), else new contiguous
+    tensors. Raises ValueError for what it does not support."""
     _check(dout, q, k, v, o, lse, causal, softmax_scale)
     from .attention import _backward_prep
     batch, seqlen, heads, d = q.shape
@@ -531,9 +551,9 @@ def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_con
     if o.stride(-1) != 1:   # the prep reads o with its strides, the last one unit
         o = o.contiguous()
     lse2, delta = _backward_prep(dout, o, lse, None, None, batch, seqlen, seqlen, heads, 0)
-    dq = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
-    dk = new_output(k.shape, k.dtype, k.device, _NAN_FILL)
-    dv = new_output(v.shape, v.dtype, v.device, _NAN_FILL)
+    if grads is None:
+        grads = tuple(new_output(t.shape, t.dtype, t.device, _NAN_FILL) for t in (q, k, v))
+    dq, dk, dv = grads
     launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal, float(softmax_scale), dkdv_config)
     launch_dq(q, k, v, dout, dq, lse2, delta, causal, float(softmax_scale), dq_config)
     return dq, dk, dv
