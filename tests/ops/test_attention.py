@@ -268,6 +268,28 @@ def test_autograd_function_matches_the_custom_op(device, tma):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("entry", ["split", "qkv"])
+def test_unused_lse_gets_no_gradient(entry, device, tma, monkeypatch):
+    """Without return_lse the backward gets dLSE = None, not a materialized zero tensor (which the kernels
+    would read, and which would keep a call off the Gluon backward); a used LSE still gets its gradient."""
+    tma("ptr")
+    seen = []
+    real = attn._attn_backward
+    monkeypatch.setattr(attn, "_attn_backward", lambda *a, **kw: seen.append(a[6]) or real(*a, **kw))
+    qkv_ = _rand(1, 20, 4, 16, dtype=torch.bfloat16, device=device).requires_grad_()
+    for return_lse in (False, True):
+        with ops.use("triton"):
+            if entry == "qkv":
+                res = flash_attention_qkv(qkv_, 1, causal=True, return_lse=return_lse)
+            else:
+                res = flash_attention(*qkv_.split([2, 1, 1], dim=-2), causal=True, return_lse=return_lse)
+        out, lse = res if return_lse else (res, None)
+        loss = out.float().sum() + (lse.sum() if return_lse else 0)
+        loss.backward()
+    assert seen[0] is None
+    assert isinstance(seen[1], torch.Tensor) and seen[1].shape == lse.shape
+
+
 def test_lse_gradient(device, tma):
     """return_lse: the LSE matches and its gradient (dLSE_i * P_ij into dS) flows into q and k."""
     tma("ptr")

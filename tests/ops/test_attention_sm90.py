@@ -22,7 +22,7 @@ def _seed_and_nan_fill(monkeypatch):
     torch.manual_seed(1234)
     monkeypatch.setattr(a9, "_NAN_FILL", True)
     monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
-    monkeypatch.setattr(attn, "_GLUON_FORWARD", False)   # flash_attention: the Triton kernel to compare with
+    monkeypatch.setattr(attn, "_GLUON", False)   # flash_attention: the Triton kernel to compare with
 
 
 def test_imports_and_is_unavailable_on_cpu():

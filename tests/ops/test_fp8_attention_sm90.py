@@ -71,7 +71,9 @@ def _triton_fp8(q, k, v, causal, scale):
     return f8._fp8_forward(q, k, v, None, 0, scale, left, right, False)
 
 
-def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, config=None, inputs=None):
+def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, config=None, inputs=None, vs_triton=True):
+    """vs_triton=False: only the float64 bounds (for a BLOCK_N other than the Triton kernel's, see
+    test_gpu_every_config)."""
     _skip_without_gpu()
     if inputs is None:
         inputs = [torch.randn(batch, seqlen, h, d, dtype=dtype, device="cuda") for h in (hq, hkv, hkv)]
@@ -88,7 +90,8 @@ def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, config=None, 
     rel = _rel(o, t_o)
     big = (o.float() - t_o.float()).abs().max().item() / t_o.float().abs().max().item()
     gap = (lse - t_lse).abs().max().item()
-    assert rel <= VS_TRITON_REL and big <= VS_TRITON_MAX and gap <= VS_TRITON_LSE, (rel, big, gap)
+    if vs_triton:
+        assert rel <= VS_TRITON_REL and big <= VS_TRITON_MAX and gap <= VS_TRITON_LSE, (rel, big, gap)
     ref_o, ref_lse = _reference(q, k, v, causal, scale)
     e, e_tri = _rel(o, ref_o), _rel(t_o, ref_o)
     assert e <= REF_FACTOR * e_tri + REF_FLOOR, (e, e_tri)
@@ -131,9 +134,13 @@ def test_gpu_ragged_seqlen(seqlen, head_dim, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_every_config(head_dim):
+    """Every config against the float64 reference; those with the default's BLOCK_N (the Triton kernel's) also
+    against the Triton FP8 forward. Another BLOCK_N moves the online softmax's running max at other keys, so P
+    is scaled by other (not power-of-two) factors before its E4M3 rounding: a different, equally good
+    quantization (measured ~0.9% apart at BLOCK_N 64, beyond VS_TRITON_REL)."""
     for cfg in f9.CONFIGS[head_dim]:
         for causal in (False, True):
-            check(2, 1000, 4, 2, head_dim, causal, config=cfg)
+            check(2, 1000, 4, 2, head_dim, causal, config=cfg, vs_triton=cfg[1] == f9.CONFIGS[head_dim][0][1])
 
 
 @pytest.mark.gpu

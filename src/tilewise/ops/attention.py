@@ -1257,6 +1257,7 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
         _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right), (out, lse))
+        ctx.set_materialize_grads(False)   # an unused LSE's gradient stays None, not a zero tensor to read
         return out, lse
 
     @staticmethod
@@ -1290,6 +1291,7 @@ class FlashAttnQKVFunction(torch.autograd.Function):
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
         ctx.save_for_backward(qkv, out, lse, cu_seqlens)
         ctx.args = (heads_kv, max_seqlen, softmax_scale, left, right)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
