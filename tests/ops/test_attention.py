@@ -487,7 +487,33 @@ def test_config_choice_times_skips_and_caches(fake_gpu):
     _launch(kern, "off")  # the key is known: one launch, nothing timed
     assert [x[0] for x in fake.launches] == [(32, 32, 4, 2)] and timed == []
     report = attn.tuning_report()
-    assert set(report) == {"fwd", "dkdv", "dq"}
+    assert set(report) == {"fwd", "dkdv", "dq", "gluon_vs_triton"}
+
+
+def test_gluon_race_keeps_the_faster_kernel_per_key(monkeypatch):
+    """_gluon_wins times the Gluon and the Triton call once per key (shape class) and keeps the faster: a
+    second call of the key runs nothing extra; another key races again; untimed (AUTOTUNE=0) Gluon runs."""
+    monkeypatch.setattr(attn, "_GLUON_RACES", {})
+    monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "1")
+    speed = {}
+    ran = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or speed[ran[-1]])
+    gluon, tri = (lambda: ran.append("gluon")), (lambda: ran.append("triton"))
+    q, k = torch.empty(2, 1024, 8, 64), torch.empty(2, 1024, 2, 64)
+    speed.update(gluon=2.0, triton=1.0)
+    assert attn._gluon_wins("fwd", q, k, 0, gluon, tri) is False
+    assert ran == ["triton", "triton", "gluon", "gluon"]   # a warm-up call each, then the timed ones
+    speed.update(gluon=0.5)                                 # decided: no new timing for the same key
+    assert attn._gluon_wins("fwd", q, k, 0, gluon, tri) is False and len(ran) == 4
+    long_q, long_k = torch.empty(2, 4096, 8, 64), torch.empty(2, 4096, 2, 64)
+    assert attn._gluon_wins("fwd", long_q, long_k, 0, gluon, tri) is True and len(ran) == 8
+    assert attn._gluon_wins("bwd", q, k, 0, gluon, tri) is True        # the backward is its own key
+    rows = attn.tuning_report()["gluon_vs_triton"]
+    assert [(r["key"]["pass"], r["key"]["seqlen_bucket"], r["chosen"]) for r in rows] == [
+        ("fwd", 1024, "triton"), ("fwd", 4096, "gluon"), ("bwd", 1024, "gluon")]
+    assert rows[0]["ms"] == {"gluon": 2.0, "triton": 1.0}
+    monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
+    assert attn._gluon_wins("fwd", q, k, -1, gluon, tri) is True and len(ran) == 12
 
 
 def test_config_choice_untimed_takes_the_first_that_compiles(fake_gpu, monkeypatch):

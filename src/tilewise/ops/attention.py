@@ -27,8 +27,10 @@ Flash attention: the N x N scores never reach HBM.
 - Hopper: on sm_90 the forward of a padded batch without a window, with equal query and key lengths, a
   16-bit dtype and head_dim 64 or 128 runs attention_sm90's Gluon kernel instead (a TMA producer warp,
   two consumer warpgroups, the softmax under the P V wgmma; same O and LSE conventions), and its backward
-  (without a dLSE) attention_sm90_bwd's two Gluon kernels after this file's prep kernel. TILEWISE_ATTN_GLUON=0
-  keeps both on the Triton kernels, the ones the interpreter runs.
+  (without a dLSE) attention_sm90_bwd's two Gluon kernels after this file's prep kernel, each where it is
+  faster: the first call of a shape class times it against the Triton kernel (_gluon_wins; the Gluon kernels
+  lose at short causal sequences). TILEWISE_ATTN_GLUON=0 keeps both on the Triton kernels, the ones the
+  interpreter runs.
 - Loads: when the layout allows it (CUDA sm90+, 16-bit dtype, head_dim a power of two, the heads of a token
   side by side) K, V, Q and dO tiles come through host TMA tensor descriptors; otherwise (and with
   TILEWISE_ATTN_TMA=0) through masked pointer loads. Both are the same kernels (USE_TMA constexpr), and the
@@ -767,6 +769,8 @@ def reset_tuning(kernels=None):
         kern.failed.clear()
         kern.timings.clear()
         kern.described.clear()
+    if kernels is None:
+        _GLUON_RACES.clear()
     fallbacks.clear()
 
 
@@ -781,6 +785,12 @@ def tuning_report(kernels=None):
                          "ms": {",".join(map(str, c)): (round(v, 4) if isinstance(v, float) else v)
                                 for c, v in results.items()}})
         report[kern.name] = rows
+    if kernels is None:
+        report["gluon_vs_triton"] = [
+            {"key": dict(zip(("pass", "seqlen_bucket", "batch_heads_bucket", "head_dim", "gqa", "causal", "dtype"),
+                             (*key[:-1], str(key[-1]).replace("torch.", "")))),
+             "chosen": race["winner"], "ms": {"gluon": round(race["gluon"], 4), "triton": round(race["triton"], 4)}}
+            for key, race in _GLUON_RACES.items()]
     return report
 
 
@@ -1006,6 +1016,35 @@ def _gluon_forward_applies(q, k, v, softmax_scale, left, right) -> bool:
             and attention_sm90.available(q.device))
 
 
+# Whether a covered call runs the Gluon kernel or the Triton one is measured, not assumed: the first call of a
+# key (pass, sequence-length and batch x heads classes, head_dim, GQA, causal, dtype) times both, as the config
+# tuner times configs, and keeps the faster. On the H200 (2a6ac2d, 0b78516) the Gluon forward won from
+# seqlen 2048 up (4 x 4096 x 16, d128 causal: 493 against 435 TFLOP/s) and lost at 1024 (16 x 1024 x 32, d64
+# causal: 232 against 297), and in the GPT-2 124M step (32 x 1024 x 12, d64 causal) the Gluon backward took
+# 8.3 ms against the Triton one's 6.9. With TILEWISE_ATTN_AUTOTUNE=0 the Gluon kernel runs, untimed.
+_GLUON_RACES: dict = {}   # key -> {"gluon": ms, "triton": ms, "winner": "gluon" or "triton"}
+
+
+def _gluon_key(kind, q, k, right):
+    batch, seqlen, heads, head_dim = q.shape
+    return kind, _bucket(seqlen, seqlen), _pow2(batch * heads), head_dim, k.shape[2] != heads, right == 0, q.dtype
+
+
+def _gluon_wins(kind, q, k, right, gluon_call, triton_call) -> bool:
+    """Whether the Gluon kernel runs this call (see _GLUON_RACES); the first call of a key races the two."""
+    key = _gluon_key(kind, q, k, right)
+    race = _GLUON_RACES.get(key)
+    if race is None:
+        if os.environ.get("TILEWISE_ATTN_AUTOTUNE", "1") == "0":
+            return True
+        ms = {}
+        for name, call in (("triton", triton_call), ("gluon", gluon_call)):
+            call()   # compiles (and tunes the Triton kernel's config) outside the timing
+            ms[name] = triton.testing.do_bench(call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+        race = _GLUON_RACES[key] = {**ms, "winner": min(ms, key=ms.get)}
+    return race["winner"] == "gluon"
+
+
 def _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads) -> bool:
     """Whether attention_sm90_bwd.backward computes this padded-batch backward: the forward's conditions,
     no gradient of the LSE, and given gradients (the fused-QKV views) in token rows, dK's strides dV's."""
@@ -1016,12 +1055,22 @@ def _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads) ->
 
 
 def _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
-    """O (contiguous, q's dtype) and LSE (float32, natural log). A padded batch's call signature seen before
-    launches through its plan (_forward_plan): the Python below, a third of the forward's host time on the
-    H200's host, runs once per signature."""
-    sig = None
+    """O (contiguous, q's dtype) and LSE (float32, natural log), from the Gluon forward where it covers the
+    call and wins (_gluon_wins), else from the Triton one."""
     if cu_seqlens is None and _gluon_forward_applies(q, k, v, softmax_scale, left, right):
-        return attention_sm90.forward(q, k, v, causal=right == 0, softmax_scale=softmax_scale)
+        def gluon():
+            return attention_sm90.forward(q, k, v, causal=right == 0, softmax_scale=softmax_scale)
+        if _gluon_wins("fwd", q, k, right, gluon,
+                       lambda: _triton_forward(q, k, v, None, max_seqlen, softmax_scale, left, right)):
+            return gluon()
+    return _triton_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
+
+
+def _triton_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right):
+    """_attn_forward on the Triton kernel. A padded batch's call signature seen before launches through its
+    plan (_forward_plan): the Python below, a third of the forward's host time on the H200's host, runs once
+    per signature."""
+    sig = None
     if cu_seqlens is None:
         sig = _forward_signature(q, k, v, softmax_scale, left, right)
         plan = _FWD.plans.get(sig)
@@ -1148,12 +1197,24 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
 def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
                    grads=None):
     """dQ, dK, dV in the input dtype: contiguous, or written into `grads`, three views of one gradient (the
-    packed path; dK and dV share their strides). A padded batch's call signature seen before launches through
-    its plan (_backward_plan), as the forward does."""
-    sig = None
+    fused-QKV entry; dK and dV share their strides). From the Gluon backward where it covers the call and wins
+    (_gluon_wins), else from the Triton one."""
     if cu_seqlens is None and _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads):
-        return attention_sm90_bwd.backward(dout, q, k, v, out, lse, causal=right == 0,
-                                           softmax_scale=softmax_scale, grads=grads)
+        def gluon():
+            return attention_sm90_bwd.backward(dout, q, k, v, out, lse, causal=right == 0,
+                                               softmax_scale=softmax_scale, grads=grads)
+        if _gluon_wins("bwd", q, k, right, gluon, lambda: _triton_backward(
+                dout, q, k, v, out, lse, dlse, None, max_seqlen, softmax_scale, left, right, grads)):
+            return gluon()
+    return _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
+                            grads)
+
+
+def _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
+                     grads=None):
+    """_attn_backward on the Triton kernels. A padded batch's call signature seen before launches through its
+    plan (_backward_plan), as the forward does."""
+    sig = None
     if cu_seqlens is None:
         sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads)
         plan = _DQ.plans.get(sig)
