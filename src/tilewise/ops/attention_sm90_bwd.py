@@ -1,11 +1,14 @@
 """Flash-attention backward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-attention.py's backward dispatches here for the dense calls it covers (_gluon_backward_applies); the
-fused-QKV entry's gradient views are written in place. Measured at 9a9ef10 (H200, bench/attention_sm90_bwd.py,
+attention.py's backward runs it for the dense calls it covers (_gluon_backward_applies) where it is faster
+than the Triton kernels (_gluon_wins: the first call of a shape class times both); the fused-QKV entry's
+gradient views are written in place. Through flash_attention at 3217fbc (bench/attention.py): 440 / 387
+TFLOP/s non-causal / causal at d128 4 x 4096 x 16 heads; the race keeps the Triton kernels at 1024 tokens
+(GPT-2 124M, 32 x 1024 x 12 heads x 64 causal: 8.3 ms a step in these kernels against 6.9). Measured at 9a9ef10 (H200, bench/attention_sm90_bwd.py,
 backward TFLOP/s with the fastest config pair, counted as 2.5x the forward's FLOPs): d128 4 x 4096 x 16 heads 437.8 against the
 Triton backward's 421.2 non-causal and 389.0 against 363.4 causal (cuDNN 508.0 / 451.0); d64 4 x 4096 x 32
 heads 368.6 / 328.3 against 364.0 / 323.6. The gradients agreed with the Triton backward's (max relative
-difference under 0.6%); 14 of the gpu tests passed before that run's time limit, the rest have not run.
+difference under 0.6%). All 41 gpu tests passed at 2a6ac2d.
 
 Replaces the two main kernels of attention.py's backward for the dense layout, `_attn_bwd_dkdv` and
 `_attn_bwd_dq`; attention.py's own prep kernel (`_bwd_prep`, through its launcher `_backward_prep`) still
