@@ -1,10 +1,12 @@
 """The Gluon Hopper attention forward (ops/attention_sm90.py) on the H200: correctness first, then speed against
 attention.py's Triton forward and torch SDPA (flash, cudnn), forward only, bf16.
 
-Shapes (batch, seqlen, heads, head_dim): (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), each
-causal and non-causal. Every config of attention_sm90.CONFIGS for the head_dim is checked and timed (one
-GPU run explores the variants); a variant that fails to build, run or match is reported and skipped.
-TFLOP/s: 4 * B * H * N^2 * D per forward, half of it causal.
+Shapes (batch, seqlen, heads, head_dim): (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64) and the
+short ones where the one-program-per-pair grid loses to the Triton kernel, (16, 1024, 32, 64) and (8, 2048, 16,
+128), each causal and non-causal. Every config of attention_sm90.CONFIGS for the head_dim is checked and timed
+(one GPU run explores the variants: the persistent ones, a fifth element 1, too); a variant that fails to
+build, run or match is reported and skipped. The summary gives the best grid and the best persistent config
+apart. TFLOP/s: 4 * B * H * N^2 * D per forward, half of it causal.
 
     PYTHONPATH=src python bench/attention_sm90.py --out DIR       # writes DIR/attention_sm90.json
     python bench/attention_sm90.py --aot-only                      # no GPU: bench/attention_sm90_sass.py
@@ -21,8 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(0, HERE)
 
-SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64)]
+SHAPES = [(4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (16, 1024, 32, 64), (8, 2048, 16, 128)]
 MAX_REL = 2e-2   # max relative error (max |diff| / max |triton|) a variant may have against the Triton forward
+
+
+def is_persistent(cfg) -> bool:
+    """Whether a config (BM, BN, STAGES[, PINGPONG[, PERSISTENT]]) runs the persistent schedule."""
+    return len(cfg) > 4 and bool(cfg[4])
 
 
 def tflops(b, n, h, d, causal, ms):
@@ -40,7 +47,7 @@ def time_ms(triton, fn, rep):
 
 def baselines(torch, F):
     from tilewise.ops import attention
-    attention._GLUON_FORWARD = False    # flash_attention would run the Gluon kernel itself: the Triton one here
+    attention._GLUON = False    # flash_attention would run (or race) the Gluon kernel itself: the Triton one here
     out = {"triton": lambda q, k, v, c, s: attention.flash_attention(q, k, v, causal=c, softmax_scale=s,
                                                                      return_lse=True)}
     try:
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
                    help="shapes (batch, seqlen, heads, head_dim) instead of SHAPES, e.g. the presets' "
                         "32,1024,12,64;8,2048,16,128")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--configs", default=None, metavar="BM,BN,STAGES;...",
+    p.add_argument("--configs", default=None, metavar="BM,BN,STAGES[,PINGPONG[,PERSISTENT]];...",
                    help="configs to try instead of attention_sm90.CONFIGS (applied to both head_dims)")
     args = p.parse_args(argv)
     if args.aot_only:
@@ -141,14 +148,21 @@ def main(argv=None) -> int:
             configs = custom or a9.CONFIGS[shape[3]]
             result["cells"].append(run_cell(torch, F, triton, a9, shape, causal, args.rep, configs))
             write_result(result, "attention_sm90.json", [args.out])   # partial results survive a crash
-    print("\nTFLOP/s (best correct Gluon config vs the rest)")
+    print("\nTFLOP/s (best correct Gluon config of the grid and of the persistent schedule vs the rest)")
     for cell in result["cells"]:
         res = cell["results"]
-        gl_best = max((r for k, r in res.items() if k.startswith("gluon") and "tflops" in r),
-                      key=lambda r: r["tflops"], default=None)
+        bests = []
+        for label, persistent in (("gluon", False), ("persistent", True)):
+            timed = [r for k, r in res.items() if k.startswith("gluon") and "tflops" in r
+                     and is_persistent(r["config"]) == persistent]
+            ran = any(k.startswith("gluon") and is_persistent(r["config"]) == persistent for k, r in res.items())
+            best = max(timed, key=lambda r: r["tflops"], default=None)
+            if best:
+                bests.append(f"{label} {best['tflops']} {tuple(best['config'])}")
+            elif ran:
+                bests.append(f"{label} none correct")
         others = "  ".join(f"{k} {r.get('tflops', 'err')}" for k, r in res.items() if not k.startswith("gluon"))
-        best = f"gluon {gl_best['tflops']} {tuple(gl_best['config'])}" if gl_best else "gluon none correct"
-        print(f"  {str(tuple(cell['shape'])):22} causal={cell['causal']!s:5}  {best}  {others}")
+        print(f"  {str(tuple(cell['shape'])):22} causal={cell['causal']!s:5}  {'  '.join(bests)}  {others}")
     write_result(result, "attention_sm90.json", [args.out])
     return 0
 

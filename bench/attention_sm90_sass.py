@@ -3,7 +3,7 @@
 the wgmma waits in the main loop, shared memory.
 
     python bench/attention_sm90_sass.py                    # every (head_dim, causal, dtype) at the default config
-    python bench/attention_sm90_sass.py --all-configs --json
+    python bench/attention_sm90_sass.py --all-configs --json     # the persistent configs (fifth element 1) too
 
 Needs a Triton with Gluon's Hopper API as 3.6 has it (the module's available() need not hold: no GPU is
 touched). Exit status 1 when a build fails, spills or has no wgmma.
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--json", action="store_true", help="one JSON list on the last line")
-    p.add_argument("--configs", default=None, metavar="BM,BN,STAGES[,PINGPONG];...",
+    p.add_argument("--configs", default=None, metavar="BM,BN,STAGES[,PINGPONG[,PERSISTENT]];...",
                    help="these configs instead of CONFIGS' (for every head_dim)")
     args = p.parse_args(argv)
     from tilewise.ops import attention_sm90 as a9
@@ -121,11 +121,12 @@ def main(argv=None) -> int:
                     bad += not r.get("ok", False)
                     if args.json:
                         continue
-                    head = f"d{d} {str(tuple(cfg)):14} causal={causal!s:5} {dtype}"
+                    head = f"d{d} {str(tuple(cfg)):19} causal={causal!s:5} {dtype}"
                     if "error" in r:
                         print(f"{head}  FAILED {r['error']}")
                         continue
-                    # the first two innermost wgmma loops are the two consumer warpgroups' key-block loops
+                    # the first two innermost wgmma loops are the two consumer warpgroups' key-block loops (with
+                    # PERSISTENT too: the tile loops hold them)
                     loops = "; ".join(f"{l['instructions']} ins, {l['wgmma']} wgmma, {l['wgmma_waits']} waits, "
                                       f"{l['mufu_ex2']} ex2" for l in r["loops"][:2])
                     print(f"{head}  regs {r['registers']:3} spills {r['spill_instructions']} "

@@ -3,7 +3,8 @@
 The kernel runs only on a CUDA sm_90 GPU (the interpreter cannot run Gluon): those tests are gpu-marked and
 skip elsewhere, or where available() says no. Outputs start as NaN (_NAN_FILL), so an element no program
 writes fails. The error bound: 2x the Triton forward's error against the same float64 reference (plus a
-floor), for o and for lse.
+floor), for o and for lse. The persistent schedule's configs (a fifth element 1) are also held to the grid
+schedule's (o, lse) of the same tiles, bit for bit, on shapes of many more and of fewer tiles than SMs.
 """
 import math
 
@@ -132,3 +133,91 @@ def test_gpu_unsupported_raises_value_error():
     with pytest.raises(ValueError, match="bf16"):
         x = torch.randn(1, 128, 2, 128, device="cuda")
         a9.forward(x, x, x, causal=False, softmax_scale=0.1)
+
+
+# The persistent schedule (a config's fifth element): CONFIGS' persistent entries per head_dim.
+PERSISTENT = {d: [c for c in a9.CONFIGS[d] if len(c) > 4 and c[4]] for d in a9.CONFIGS}
+
+
+def test_persistent_configs_parse():
+    assert all(PERSISTENT[d] for d in (64, 128)), "CONFIGS has no persistent entry"
+    assert all(len(a9.CONFIGS[d][0]) < 5 for d in (64, 128)), "a persistent default"
+    assert a9._config((64, 128, 2), 128) == (64, 128, 2, False, False)
+    assert a9._config((64, 128, 2, 1), 128) == (64, 128, 2, True, False)
+    assert a9._config((64, 128, 2, 0, 1), 128) == (64, 128, 2, False, True)
+    assert a9._config(None, 64) == (*a9.CONFIGS[64][0], False, False)
+    with pytest.raises(ValueError, match="PINGPONG"):
+        a9._config((64, 128, 2, 1, 1), 128)
+    with pytest.raises(ValueError, match="not"):
+        a9._config((64, 128, 2, 0, 1, 0), 128)
+
+
+def test_causal_section_fits_l2_share():
+    l2 = 50 << 20
+    units = a9._causal_section(1024, 64, 1, 2, l2)     # 256 KiB of K/V a head
+    assert units * 2 * 1024 * 64 * 2 <= l2 * a9._L2_SHARE < (units + 1) * 2 * 1024 * 64 * 2
+    assert a9._causal_section(1024, 64, 4, 2, l2) == 4 * units   # GQA: 4 query heads share one KV head's
+    assert a9._causal_section(1 << 20, 128, 1, 2, l2) == 1
+
+
+def _persistent_matches_grid(batch, seqlen, hq, hkv, d, causal, cfg):
+    """check() of persistent config cfg, then its (o, lse) against the grid schedule's of the same tiles:
+    the same arithmetic row by row, so equal bit for bit."""
+    o, lse = check(batch, seqlen, hq, hkv, d, causal, config=cfg)
+    torch.manual_seed(1234)
+    q = torch.randn(batch, seqlen, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, seqlen, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(batch, seqlen, hkv, d, dtype=torch.bfloat16, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    o_p, lse_p = a9.forward(q, k, v, causal=causal, softmax_scale=scale, config=cfg)
+    o_g, lse_g = a9.forward(q, k, v, causal=causal, softmax_scale=scale, config=cfg[:3])
+    torch.cuda.synchronize()
+    assert torch.equal(o_p, o_g) and torch.equal(lse_p, lse_g), (cfg, (o_p.float() - o_g.float()).abs().max())
+    return o, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [77, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_persistent_ragged_gqa(seqlen, head_dim, causal):
+    """Ragged lengths (the last key block masked, the last rows unstored) with GQA, every persistent config,
+    each against the Triton kernel and the grid schedule."""
+    for cfg in PERSISTENT[head_dim]:
+        _persistent_matches_grid(3, seqlen, 4, 2, head_dim, causal, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_persistent_many_tiles(head_dim, causal):
+    """Many more tiles than SMs (each program runs several; the ring's slots and Q's phase carried over):
+    4 x 1030 x 16 heads is 576 tiles at BLOCK_M 64, ragged, GQA 4."""
+    for cfg in PERSISTENT[head_dim]:
+        _persistent_matches_grid(4, 1030, 16, 4, head_dim, causal, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 128, 1, 1), (1, 1, 1, 1), (1, 77, 2, 1), (2, 300, 3, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_persistent_fewer_tiles_than_sms(shape, head_dim, causal):
+    """Fewer tiles than SMs: a grid of one program per tile (1 x 128 x 1 head: one tile)."""
+    for cfg in PERSISTENT[head_dim]:
+        _persistent_matches_grid(*shape, head_dim, causal, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("section", [1, 3, 1000])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_persistent_causal_sections(section, head_dim, monkeypatch):
+    """Causal sections of 1, 3 (5 x 2 = 10 units: a last section of 1) and all units."""
+    monkeypatch.setattr(a9, "_causal_section", lambda *args: section)
+    _persistent_matches_grid(5, 700, 2, 1, head_dim, True, PERSISTENT[head_dim][0])
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_fp16_real_size():
+    for cfg in PERSISTENT[128]:
+        check(2, 2048, 16, 16, 128, True, dtype=torch.float16, config=cfg)
+        check(1, 4096, 16, 4, 128, False, dtype=torch.float16, config=cfg)

@@ -7,14 +7,15 @@ stays the interpreter's (and CI's) sibling, which tests/ops/test_attention_sm90.
 compares it with on the GPU.
 
 Algorithm: the online softmax of attention.py's forward (base 2, log2(e) folded into the scale, the row max
-taken on the raw scores and scaled once per row), one program per (pair of query tiles, head, batch).
+taken on the raw scores and scaled once per row), one program per (pair of query tiles, head, batch), or
+with PERSISTENT (below) one program per SM looping over those tiles.
 
 Warp roles (gl.warp_specialize):
 - two consumer warpgroups (the default partition and worker 0, 4 warps each, most of the registers). Each
   owns its own BLOCK_M-row query tile, the two side by side, and both read every K/V tile of the shared
   ring. They run unsynchronized with each other, so the warp schedulers interleave one warpgroup's softmax
   with the other's wgmma (a loose "ping-pong": no barrier forces the alternation).
-- one producer warp (worker 1, few registers): loads the two Q tiles once, then streams K and V tiles with
+- one producer warp (worker 1, few registers): loads the two Q tiles, then streams K and V tiles with
   TMA into a STAGES-deep shared-memory ring. Each stage has four mbarriers: k_full / v_full (the TMA
   transaction count, armed with expect) and k_free / v_free (count 2: one arrive per consumer warpgroup
   when its wgmma has finished reading the tile). The producer waits on a stage's free barrier with the
@@ -24,6 +25,21 @@ Overlap inside a consumer warpgroup (FA3's intra-warpgroup pipelining): at key b
 async wgmma S_j = Q K_j^T, then the async wgmma O += P_{j-1} V_{j-1} (P from registers), waits only for
 S_j (warpgroup_mma_wait(1)), runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores,
 then waits for it and rescales O. So the tensor cores always have the next GEMM queued during the exp2s.
+
+Persistent schedule (PERSISTENT, a config's fifth element; measured: no, not yet on the GPU). The kernel runs
+one CTA per SM (registers), so where a program has few key blocks (16 x 1024 causal at BLOCK_M 64: 4.5 on
+average) the grid above exposes every program's prologue (barrier init, the Q load, the first K/V loads) and
+epilogue: the reason it loses at short causal sequences. With PERSISTENT the grid is min(SMs, tiles) programs,
+program p taking tiles p, p + programs, ... of the (query tile pair, head, batch) tiles in query_pair_tile's
+order (non-causal: the grid's; causal: heaviest first within sections of (batch, head) units whose K/V fit in
+part of L2, _causal_section). The producer loads a tile's Q pair once both consumers arrived on q_free (count
+2: each after its last Q K^T of the tile before; waited with the opposite parity of the tile's, so the first
+does not wait) and streams K/V into the ring with a slot count that runs on across tiles (stream_kv_from), so
+the next tile's Q and first K/V blocks load under the consumers' last P V and epilogue. A consumer waits on
+q_bar with its tile's parity (its i-th tile: phase i & 1) and counts the ring's slots as the producer does;
+the epilogue is the same. Q is single-buffered: a second pair would fit beside the d128 ring at STAGES 2 (164
+KB + 32 KB) but not at STAGES 3 (229 KB), and q_free starts the load before the epilogue anyway. Not with
+PINGPONG (its turn barriers count one tile's batches).
 
 Masking: a key block is masked (by a branch, so the interior blocks pay nothing) when it reaches past the
 causal diagonal of the warpgroup's first row or past the end of the sequence. K/V tiles come from the
@@ -61,17 +77,22 @@ import torch
 
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
-                         new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
-                         warpgroup_mma, warpgroup_mma_wait)
+                         new_output, on_sm90, query_pair_tile, query_pair_work, stream_kv, stream_kv_from,
+                         tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 
 # (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default. A fourth
-# element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it.
+# element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it. A fifth
+# element 1 turns on the persistent schedule (PERSISTENT, see above; not with PINGPONG): its entries, the
+# defaults' tiles at STAGES and STAGES + 1, are there to be timed (bench/attention_sm90.py), not yet measured.
 CONFIGS = {
-    128: [(64, 128, 2), (64, 64, 3), (64, 128, 3), (64, 64, 4)],
-    64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3)],
+    128: [(64, 128, 2), (64, 64, 3), (64, 128, 3), (64, 64, 4), (64, 128, 2, 0, 1), (64, 128, 3, 0, 1)],
+    64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3), (64, 128, 3, 0, 1), (64, 128, 4, 0, 1)],
 }
+# The share of L2 a causal section of the persistent schedule's K/V may take (see _causal_section): a guess,
+# not measured.
+_L2_SHARE = 0.5
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
@@ -80,17 +101,19 @@ _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
 if gl is not None:
     try:
         @gluon.jit
-        def _consumer(q_tile, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free, my_turn, other_turn,
-                      O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+        def _consumer(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, my_turn, other_turn,
+                      O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      FIRST: gl.constexpr):
+                      FIRST: gl.constexpr, PERSISTENT: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks
             key blocks: S_j's wgmma and P_{j-1} V_{j-1}'s are in flight together, the softmax of S_j runs
             under the latter. With PINGPONG the two warpgroups take turns issuing their wgmmas (batch j of
             the FIRST one, then batch j of the other, ...; the tensor cores run them in that order), so
             one's softmax falls under the other's GEMMs: before its batch j a warpgroup waits on my_turn for
-            the other's batch j - 1 (FIRST) or j, after it arrives on other_turn."""
+            the other's batch j - 1 (FIRST) or j, after it arrives on other_turn. The Q tile is q_bar's phase
+            q_phase, key block j is in the ring's slot filled + j (both 0 but in the PERSISTENT schedule, see
+            _consumer_tiles, where it arrives on q_free once its last Q K^T is done)."""
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -111,22 +134,29 @@ if gl is not None:
                 limit = seqlen
             zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
-            mbarrier.wait(q_bar, 0)
+            mbarrier.wait(q_bar, q_phase)
 
             # key block 0: its scores and softmax, no P V in flight yet
-            mbarrier.wait(k_full.index(0), 0)
+            first = filled % STAGES
+            mbarrier.wait(k_full.index(first), (filled // STAGES) & 1)
             if PINGPONG and not FIRST:
                 mbarrier.wait(my_turn, 0)
-            tok = warpgroup_mma(q_tile, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            tok = warpgroup_mma(q_tile, k_ring.index(first).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=(tok, ))
-            mbarrier.arrive(k_free.index(0))
+            mbarrier.arrive(k_free.index(first))
             if BLOCK_N > limit:
                 kpos = cols
-                keep = gl.expand_dims(kpos, 0) < seqlen
-                if CAUSAL:
-                    keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
+                if CAUSAL and PERSISTENT:
+                    # key < seqlen follows for every stored row (key <= row < seqlen); kept, it is a
+                    # tile-invariant mask hoisted out of the tile loop, live through the key-block loop
+                    # (14 spill instructions at d128, BLOCK_N 128)
+                    keep = gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1)
+                else:
+                    keep = gl.expand_dims(kpos, 0) < seqlen
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
             m_i = gl.max(s, 1) * qk_scale
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
@@ -135,10 +165,11 @@ if gl is not None:
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
             for j in range(1, n_blocks):
-                stage = j % STAGES
-                phase = (j // STAGES) & 1
-                prev = (j - 1) % STAGES
-                prev_phase = ((j - 1) // STAGES) & 1
+                slot = filled + j
+                stage = slot % STAGES
+                phase = (slot // STAGES) & 1
+                prev = (slot - 1) % STAGES
+                prev_phase = ((slot - 1) // STAGES) & 1
                 mbarrier.wait(k_full.index(stage), phase)
                 mbarrier.wait(v_full.index(prev), prev_phase)
                 if PINGPONG:
@@ -168,8 +199,10 @@ if gl is not None:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 p_op = p_next
 
-            last = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
+            if PERSISTENT:
+                mbarrier.arrive(q_free)   # every Q K^T of the tile done: the producer may load the next Q pair
+            last = (filled + n_blocks - 1) % STAGES
+            mbarrier.wait(v_full.index(last), ((filled + n_blocks - 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (n_blocks - FIRST) & 1)
             o_tok = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
@@ -203,13 +236,59 @@ if gl is not None:
                       n_blocks, BLOCK_N, STAGES, False)
 
         @gluon.jit
-        def _attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, seqlen, heads, group, qk_scale,
+        def _producer_tiles(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
+                            v_free, seqlen, heads, group, n_pairs, units, section, n_tiles,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            """The persistent schedule's producer, tiles pid, pid + nprog, ...: a tile's Q pair once both
+            consumers released the last one (q_free, waited with the opposite parity of the tile's, so the
+            first tile does not wait), then its K/V blocks into the ring after the last tile's, so they load
+            while the consumers finish that tile (its last P V and epilogue)."""
+            filled = 0
+            q_phase = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
+                                                         BLOCK_N, CAUSAL)
+                mbarrier.wait(q_free, q_phase ^ 1)
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+                q_row = b * seqlen + m0
+                tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_tiles.index(0))
+                tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, h * HEAD_DIM], q_bar, q_tiles.index(1))
+                filled = stream_kv_from(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, b * seqlen,
+                                        hk * HEAD_DIM, b * seqlen, hk * HEAD_DIM, n_blocks, filled, BLOCK_N, STAGES,
+                                        False)
+                q_phase ^= 1
+
+        @gluon.jit
+        def _consumer_tiles(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, O, LSE, seqlen,
+                            heads, group, n_pairs, units, section, n_tiles, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SECOND: gl.constexpr):
+            """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's
+            second with SECOND) of tiles pid, pid + nprog, ..., the producer's order. Tile i's Q is q_bar's
+            phase i & 1; the ring's slots run on from tile to tile as the producer fills them."""
+            filled = 0
+            q_phase = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
+                                                         BLOCK_N, CAUSAL)
+                _consumer(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, q_free, q_free,
+                          O, LSE, m0 + SECOND * BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, not SECOND, True)
+                filled += n_blocks
+                q_phase ^= 1
+
+        @gluon.jit(do_not_specialize=["batch", "section"])   # one build for any batch (the grid schedule's unused)
+        def _attn_fwd_sm90(q_desc, k_desc, v_desc, O, LSE, seqlen, heads, group, qk_scale, batch, section,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                           PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           PERSISTENT: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr):
-            """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
-            h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
+            """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
+            grid (programs,) of at most one per SM, each over tiles pid, pid + programs, ... in
+            query_pair_tile's order (`section`: its causal section, in units of (batch, head))."""
+            if not PERSISTENT:
+                h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
             dtype: gl.constexpr = q_desc.dtype
             q_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -221,21 +300,42 @@ if gl is not None:
             mbarrier.init(q_bar, count=1)
             mbarrier.init(turn.index(0), count=1)
             mbarrier.init(turn.index(1), count=1)
+            if PERSISTENT:
+                q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+                mbarrier.init(q_free, count=2)   # one arrive per consumer warpgroup and tile
             fence_async_shared()
 
-            row0 = m0
-            row1 = m0 + BLOCK_M
-            gl.warp_specialize([
-                (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                             turn.index(0), turn.index(1), O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True)),
-                (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                             turn.index(1), turn.index(0), O, LSE, row1, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, False)),
-                (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
-                             v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
-                             BLOCK_M, BLOCK_N, STAGES)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+            if PERSISTENT:
+                n_pairs = gl.cdiv(seqlen, 2 * BLOCK_M)
+                units = heads * batch
+                n_tiles = n_pairs * units
+                gl.warp_specialize([
+                    (_consumer_tiles, (q_tiles.index(0), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
+                                       v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 0)),
+                    (_consumer_tiles, (q_tiles.index(1), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
+                                       v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
+                    (_producer_tiles, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, q_free, k_full,
+                                       v_full, k_free, v_free, seqlen, heads, group, n_pairs, units, section,
+                                       n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+                mbarrier.invalidate(q_free)
+            else:
+                row0 = m0
+                row1 = m0 + BLOCK_M
+                gl.warp_specialize([
+                    (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
+                                 turn.index(0), turn.index(1), O, LSE, row0, seqlen, b, h, heads, n_blocks,
+                                 qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True, False)),
+                    (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
+                                 turn.index(1), turn.index(0), O, LSE, row1, seqlen, b, h, heads, n_blocks,
+                                 qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, False,
+                                 False)),
+                    (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                                 v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
+                                 BLOCK_M, BLOCK_N, STAGES)),
+                ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(q_bar)
             mbarrier.invalidate(turn.index(0))
@@ -253,10 +353,10 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     forward(). What bench/attention_sm90_sass.py inspects and available() tries once."""
     if _attn_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
-    bm, bn, stages, pingpong = _config(config, head_dim)
+    bm, bn, stages, pingpong, persistent = _config(config, head_dim)
     q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  **ROLE_CONSTS)
+                  PERSISTENT=persistent, **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
              "v_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
@@ -298,19 +398,42 @@ def _smem_layouts(bm, bn, d, dtype):
 
 
 def _config(config, head_dim):
-    """(BLOCK_M, BLOCK_N, STAGES, PINGPONG) of a config (BLOCK_M, BLOCK_N, STAGES[, PINGPONG]), or of the
-    head_dim's default."""
-    bm, bn, stages, *pingpong = config if config is not None else CONFIGS[head_dim][0]
-    return bm, bn, stages, bool(pingpong and pingpong[0])
+    """(BLOCK_M, BLOCK_N, STAGES, PINGPONG, PERSISTENT) of a config (BLOCK_M, BLOCK_N, STAGES[, PINGPONG[,
+    PERSISTENT]]), or of the head_dim's default. PINGPONG's turn barriers count batches within one tile, so
+    the persistent schedule does not take it."""
+    bm, bn, stages, *flags = config if config is not None else CONFIGS[head_dim][0]
+    if len(flags) > 2:
+        raise ValueError(f"attention_sm90: config {tuple(config)} is not (BLOCK_M, BLOCK_N, STAGES[, PINGPONG[, "
+                         "PERSISTENT]])")
+    pingpong, persistent = (bool(f) for f in (*flags, 0, 0)[:2])
+    if pingpong and persistent:
+        raise ValueError(f"attention_sm90: config {tuple(config)}: PINGPONG and PERSISTENT do not combine")
+    return bm, bn, stages, pingpong, persistent
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sizes(index):
+    """(SM count, L2 bytes) of CUDA device index, read once."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
+
+
+def _causal_section(seqlen, head_dim, group, element_size, l2_bytes):
+    """The (batch, head) units of a causal section of the persistent schedule (see query_pair_tile): as many
+    as have their K and V in _L2_SHARE of L2, a KV head counted once for the `group` query heads that read it
+    (GQA), at least 1."""
+    kv_bytes = 2 * seqlen * head_dim * element_size
+    return max(1, int(l2_bytes * _L2_SHARE) * group // kv_bytes)
 
 
 def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
     """(o, lse) as attention.py's dense forward returns them: o like q (contiguous), lse float32 natural
-    log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, PINGPONG]), default
-    CONFIGS' first (PINGPONG off)."""
+    log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, PINGPONG[, PERSISTENT]]),
+    default CONFIGS' first (PINGPONG and PERSISTENT off)."""
     _check(q, k, v, causal, softmax_scale)
     batch, seqlen, heads, d = q.shape
-    bm, bn, stages, pingpong = _config(config, d)
+    bm, bn, stages, pingpong, persistent = _config(config, d)
+    group = heads // k.shape[2]
     q, q2 = as_rows(q)
     k, k2 = as_rows(k)
     v, v2 = as_rows(v)
@@ -320,8 +443,15 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [bn, d], kv_layout)
     o = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
     lse = new_output((batch, heads, seqlen), torch.float32, q.device, _NAN_FILL)
-    grid = (-(-seqlen // (2 * bm)), heads, batch)
-    _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, heads // k.shape[2],
-                         softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-                         PINGPONG=pingpong, **ROLE_CONSTS, num_warps=num_warps)
+    n_pairs = -(-seqlen // (2 * bm))
+    if persistent:
+        sms, l2_bytes = _device_sizes(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        grid = (min(sms, n_pairs * heads * batch), )
+        section = _causal_section(seqlen, d, group, q.element_size(), l2_bytes) if causal else 1
+    else:
+        grid = (n_pairs, heads, batch)
+        section = 1
+    _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, group, softmax_scale * LOG2E, batch,
+                         section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
+                         PINGPONG=pingpong, PERSISTENT=persistent, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse

@@ -137,6 +137,7 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
 
 
 query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = None
+query_pair_tile = stream_kv_from = None
 if gluon is not None:
     try:
         @gluon.jit
@@ -200,6 +201,57 @@ if gluon is not None:
                 else:
                     tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_full.index(stage),
                                                     v_ring.index(stage))
+
+        @gluon.jit
+        def query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+            """query_pair_work's (h, b, hk, m0, n_blocks) for tile t of a persistent schedule over the n_pairs *
+            units tiles (units = heads * batch, unit u = head u % heads of sequence u // heads). Non-causal:
+            a unit's pairs side by side, the order of the one-program-per-pair grid (the tiles running at
+            once share K/V in L2). Causal: `section` units at a time (as many as have their K/V in L2; the
+            last section may be smaller), a section's tiles heaviest first (every unit's latest pair, then the
+            pair before, ...), so the round robin of the programs over the tiles ends on light ones."""
+            if CAUSAL:
+                first_unit = (t // (section * n_pairs)) * section
+                in_section = t - first_unit * n_pairs
+                size = gl.minimum(section, units - first_unit)
+                pair = n_pairs - 1 - in_section // size
+                unit = first_unit + in_section % size
+            else:
+                pair = t % n_pairs
+                unit = t // n_pairs
+            h = unit % heads
+            m0 = pair * (2 * BLOCK_M)
+            if CAUSAL:
+                n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
+            else:
+                n_blocks = gl.cdiv(seqlen, BLOCK_N)
+            return h, unit // heads, h // group, m0, n_blocks
+
+        @gluon.jit
+        def stream_kv_from(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, k_row, k_col, v_row,
+                           v_col, n_blocks, filled, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           V_TRANSPOSED: gl.constexpr):
+            """stream_kv for a ring that `filled` earlier blocks went through (a persistent producer's earlier
+            tiles): key block j takes the ring's slot filled + j, so one tile's blocks follow the last's
+            without draining the ring. Returns filled + n_blocks, the next tile's `filled`."""
+            for j in range(n_blocks):
+                slot = filled + j
+                stage = slot % STAGES
+                free_phase = ((slot // STAGES) & 1) ^ 1
+                mbarrier.wait(k_free.index(stage), free_phase)
+                mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, k_col], k_full.index(stage),
+                                                k_ring.index(stage))
+                mbarrier.wait(v_free.index(stage), free_phase)
+                mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
+                if V_TRANSPOSED:
+                    tma.async_copy_global_to_shared(v_desc, [v_row, v_col + j * BLOCK_N], v_full.index(stage),
+                                                    v_ring.index(stage))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_full.index(stage),
+                                                    v_ring.index(stage))
+            return filled + n_blocks
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators differ: the kernel modules see gl None
         GLUON_ERROR = f"{type(_e).__name__}: {_e}"
         gluon = gl = None
