@@ -75,6 +75,7 @@ import os
 
 import torch
 
+from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
                          new_output, on_sm90, query_pair_tile, query_pair_work, stream_kv, stream_kv_from,
@@ -367,11 +368,7 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
 @functools.lru_cache(maxsize=None)
 def _gluon_builds() -> bool:
     """Whether this Triton's Gluon builds the kernel (once, ahead of time: the API may differ from 3.6's)."""
-    try:
-        compile_sm90(128, False)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: use attention.py
-        return False
+    return builds_ahead(lambda: compile_sm90(128, False))
 
 
 def available(device) -> bool:

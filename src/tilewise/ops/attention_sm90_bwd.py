@@ -4,8 +4,9 @@ attention.py's backward runs it for the dense calls it covers (_gluon_backward_a
 than the Triton kernels (_gluon_wins: the first call of a shape class times both); the fused-QKV entry's
 gradient views are written in place. Through flash_attention at 3217fbc (bench/attention.py): 440 / 387
 TFLOP/s non-causal / causal at d128 4 x 4096 x 16 heads; the race keeps the Triton kernels at 1024 tokens
-(GPT-2 124M, 32 x 1024 x 12 heads x 64 causal: 8.3 ms a step in these kernels against 6.9). Measured at 9a9ef10 (H200, bench/attention_sm90_bwd.py,
-backward TFLOP/s with the fastest config pair, counted as 2.5x the forward's FLOPs): d128 4 x 4096 x 16 heads 437.8 against the
+(GPT-2 124M, 32 x 1024 x 12 heads x 64 causal: 8.3 ms a step in these kernels against 6.9). Measured at
+9a9ef10 (H200, bench/attention_sm90_bwd.py, backward TFLOP/s with the fastest config pair, counted as 2.5x the
+forward's FLOPs): d128 4 x 4096 x 16 heads 437.8 against the
 Triton backward's 421.2 non-causal and 389.0 against 363.4 causal (cuDNN 508.0 / 451.0); d64 4 x 4096 x 32
 heads 368.6 / 328.3 against 364.0 / 323.6. The gradients agreed with the Triton backward's (max relative
 difference under 0.6%). All 41 gpu tests passed at 2a6ac2d.
@@ -68,6 +69,7 @@ import os
 
 import torch
 
+from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
                          new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
@@ -431,12 +433,7 @@ def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", co
 @functools.lru_cache(maxsize=None)
 def _gluon_builds() -> bool:
     """Whether this Triton's Gluon builds both kernels (once, ahead of time: the API may differ from 3.6's)."""
-    try:
-        compile_sm90("dkdv", 128, False)
-        compile_sm90("dq", 128, False)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: use attention.py
-        return False
+    return builds_ahead(lambda: compile_sm90("dkdv", 128, False), lambda: compile_sm90("dq", 128, False))
 
 
 def available(device) -> bool:

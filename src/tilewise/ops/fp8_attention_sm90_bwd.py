@@ -101,6 +101,7 @@ from typing import NamedTuple
 import torch
 
 from . import fp8_attention as f8
+from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, check_dense,
                          fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
@@ -729,12 +730,7 @@ def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", co
 @functools.lru_cache(maxsize=None)
 def _gluon_builds() -> bool:
     """Whether this Triton's Gluon builds both kernels (once, ahead of time: the API may differ from 3.6's)."""
-    try:
-        compile_sm90("dkdv", 128, False)
-        compile_sm90("dq", 128, False)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: use fp8_attention.py
-        return False
+    return builds_ahead(lambda: compile_sm90("dkdv", 128, False), lambda: compile_sm90("dq", 128, False))
 
 
 def available(device) -> bool:

@@ -56,6 +56,17 @@ def aot_compile(fn, consts: dict, types: dict, num_warps: int = 4):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
+def builds_ahead(*builds) -> bool:
+    """Whether every build (a callable compiling a kernel ahead of time) succeeds: a Triton whose Gluon API
+    differs from 3.6's fails here, once, and the caller keeps its Triton kernels."""
+    try:
+        for build in builds:
+            build()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: not available
+        return False
+
+
 def tensordesc_type(dtype: str, block, layout) -> str:
     """The signature type of a host TensorDescriptor argument, as aot_compile's types take it."""
     return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
