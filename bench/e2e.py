@@ -214,6 +214,10 @@ def run_config(name: str, args) -> list[dict]:
             row["idle_ms"] = prof.get("breakdown_ms", {}).get("idle")
             row.update(prof)
         row["capture_s"] = info.get("capture_s")
+        if label.startswith("tilewise") and "sdpa" not in label:
+            # which attention kernels ran: the Gluon-against-Triton races of this process so far (attention.py)
+            from tilewise.ops.attention import tuning_report
+            row["attention_races"] = tuning_report()["gluon_vs_triton"]
         row["wall_s"] = round(time.time() - t0, 1)
         rows.append(row)
         split = row.get("breakdown_ms", {})

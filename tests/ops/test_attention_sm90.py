@@ -141,11 +141,13 @@ PERSISTENT = {d: [c for c in a9.CONFIGS[d] if len(c) > 4 and c[4]] for d in a9.C
 
 def test_persistent_configs_parse():
     assert all(PERSISTENT[d] for d in (64, 128)), "CONFIGS has no persistent entry"
-    assert all(len(a9.CONFIGS[d][0]) < 5 for d in (64, 128)), "a persistent default"
+    assert all(len(a9.CONFIGS[d][0]) < 5 for d in (64, 128)), "the grid schedule's default is persistent"
     assert a9._config((64, 128, 2), 128) == (64, 128, 2, False, False)
     assert a9._config((64, 128, 2, 1), 128) == (64, 128, 2, True, False)
     assert a9._config((64, 128, 2, 0, 1), 128) == (64, 128, 2, False, True)
-    assert a9._config(None, 64) == (*a9.CONFIGS[64][0], False, False)
+    for d in (64, 128):
+        assert a9.default_config(d, a9.PERSISTENT_UP_TO) == PERSISTENT[d][0]
+        assert a9.default_config(d, a9.PERSISTENT_UP_TO + 1) == a9.CONFIGS[d][0]
     with pytest.raises(ValueError, match="PINGPONG"):
         a9._config((64, 128, 2, 1, 1), 128)
     with pytest.raises(ValueError, match="not"):

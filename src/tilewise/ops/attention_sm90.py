@@ -26,8 +26,8 @@ async wgmma S_j = Q K_j^T, then the async wgmma O += P_{j-1} V_{j-1} (P from reg
 S_j (warpgroup_mma_wait(1)), runs the softmax of S_j while P_{j-1} V_{j-1} is still on the tensor cores,
 then waits for it and rescales O. So the tensor cores always have the next GEMM queued during the exp2s.
 
-Persistent schedule (PERSISTENT, a config's fifth element; measured: no, not yet on the GPU). The kernel runs
-one CTA per SM (registers), so where a program has few key blocks (16 x 1024 causal at BLOCK_M 64: 4.5 on
+Persistent schedule (PERSISTENT, a config's fifth element; the default up to 8192 tokens, see CONFIGS). The
+kernel runs one CTA per SM (registers), so where a program has few key blocks (16 x 1024 causal at BLOCK_M 64: 4.5 on
 average) the grid above exposes every program's prologue (barrier init, the Q load, the first K/V loads) and
 epilogue: the reason it loses at short causal sequences. With PERSISTENT the grid is min(SMs, tiles) programs,
 program p taking tiles p, p + programs, ... of the (query tile pair, head, batch) tiles in query_pair_tile's
@@ -83,14 +83,21 @@ from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescrip
 
 LOG2E = 1.4426950408889634
 
-# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the default. A fourth
-# element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it. A fifth
-# element 1 turns on the persistent schedule (PERSISTENT, see above; not with PINGPONG): its entries, the
-# defaults' tiles at STAGES and STAGES + 1, are there to be timed (bench/attention_sm90.py), not yet measured.
+# (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the grid schedule's default. A
+# fourth element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it. A
+# fifth element 1 turns on the persistent schedule (PERSISTENT, see above; not with PINGPONG); the first such
+# entry is the default up to PERSISTENT_UP_TO tokens (default_config).
 CONFIGS = {
     128: [(64, 128, 2), (64, 64, 3), (64, 128, 3), (64, 64, 4), (64, 128, 2, 0, 1), (64, 128, 3, 0, 1)],
-    64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3), (64, 128, 3, 0, 1), (64, 128, 4, 0, 1)],
+    64: [(64, 128, 3), (64, 64, 4), (64, 128, 2), (128, 64, 3), (64, 128, 4, 0, 1), (64, 128, 3, 0, 1)],
 }
+# At c724bc2 (H200, bench/attention_sm90.py, TFLOP/s of the best grid config against the persistent default)
+# the persistent schedule won at 1024 to 4096 tokens: d128 4 x 4096 x 16 non-causal 666 against 610, causal
+# 565 / 537, 8 x 2048 x 16 580 / 542 and 463 / 448; d64 4 x 4096 x 32 467 / 435 and 408 / 387, 16 x 1024 x 32
+# 396 / 359 and 285 / 236. At 16384 (1 x 16384 x 16, d128) it lost: 619 / 629 non-causal, 544 / 617 causal,
+# there with the plain round robin that gives program 0 the heaviest tile of every round (now a snake, see
+# query_pair_tile).
+PERSISTENT_UP_TO = 8192
 # The share of L2 a causal section of the persistent schedule's K/V may take (see _causal_section): a guess,
 # not measured.
 _L2_SHARE = 0.5
@@ -354,7 +361,8 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     forward(). What bench/attention_sm90_sass.py inspects and available() tries once."""
     if _attn_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
-    bm, bn, stages, pingpong, persistent = _config(config, head_dim)
+    bm, bn, stages, pingpong, persistent = _config(config if config is not None else CONFIGS[head_dim][0],
+                                                   head_dim)
     q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   PERSISTENT=persistent, **ROLE_CONSTS)
@@ -394,11 +402,19 @@ def _smem_layouts(bm, bn, d, dtype):
     return gl.NVMMASharedLayout.get_default_for([bm, d], gdt), gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
 
 
+def default_config(head_dim: int, seqlen: int) -> tuple:
+    """The persistent schedule's first config of CONFIGS up to PERSISTENT_UP_TO tokens, else the grid's."""
+    table = CONFIGS[head_dim]
+    if seqlen <= PERSISTENT_UP_TO:
+        return next(c for c in table if len(c) > 4 and c[4])
+    return table[0]
+
+
 def _config(config, head_dim):
     """(BLOCK_M, BLOCK_N, STAGES, PINGPONG, PERSISTENT) of a config (BLOCK_M, BLOCK_N, STAGES[, PINGPONG[,
-    PERSISTENT]]), or of the head_dim's default. PINGPONG's turn barriers count batches within one tile, so
-    the persistent schedule does not take it."""
-    bm, bn, stages, *flags = config if config is not None else CONFIGS[head_dim][0]
+    PERSISTENT]]). PINGPONG's turn barriers count batches within one tile, so the persistent schedule does not
+    take it."""
+    bm, bn, stages, *flags = config
     if len(flags) > 2:
         raise ValueError(f"attention_sm90: config {tuple(config)} is not (BLOCK_M, BLOCK_N, STAGES[, PINGPONG[, "
                          "PERSISTENT]])")
@@ -426,10 +442,10 @@ def _causal_section(seqlen, head_dim, group, element_size, l2_bytes):
 def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps: int = 4):
     """(o, lse) as attention.py's dense forward returns them: o like q (contiguous), lse float32 natural
     log (batch, heads_q, seqlen). config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, PINGPONG[, PERSISTENT]]),
-    default CONFIGS' first (PINGPONG and PERSISTENT off)."""
+    default default_config(head_dim, seqlen)."""
     _check(q, k, v, causal, softmax_scale)
     batch, seqlen, heads, d = q.shape
-    bm, bn, stages, pingpong, persistent = _config(config, d)
+    bm, bn, stages, pingpong, persistent = _config(config if config is not None else default_config(d, seqlen), d)
     group = heads // k.shape[2]
     q, q2 = as_rows(q)
     k, k2 = as_rows(k)
