@@ -6,12 +6,15 @@ causal and non-causal. Both tilewise backwards consume the same saved forward ou
 lse): the Gluon one through attention_sm90_bwd.backward (attention.py's prep kernel, then the Gluon dK/dV and
 dQ kernels), the Triton one through attention.py's launcher `_attn_backward` (prep, `_attn_bwd_dkdv`,
 `_attn_bwd_dq`), so both time the same work. Every config of attention_sm90_bwd.CONFIGS is timed per kernel
-(launch_dkdv, launch_dq on the prep's lse2 / delta), then the whole backward with the fastest pair; a variant
-that fails to build, run or match is printed and skipped. SDPA has no standalone backward here: its time is
+(launch_dkdv, launch_dq, launch_dkdv_dq on the prep's lse2 / delta), then the whole backward with the fastest
+pair ("gluon", dq_mode "split") and with the fastest dkdv_dq config ("gluon_atomic": zeroed float32 dq_acc, the
+kernel, the cast into dq; "atomic_dq_overhead" times the zeroing and the cast alone); a variant that fails to
+build, run or match is printed and skipped. SDPA has no standalone backward here: its time is
 (forward + backward) - forward, each timed with do_bench. TFLOP/s: the backward counted as 2.5x the forward's
 4 * B * H * N^2 * D (half of it causal), as bench/attention.py counts it.
 
     PYTHONPATH=src python bench/attention_sm90_bwd.py --out DIR    # writes DIR/attention_sm90_bwd.json
+    PYTHONPATH=src python bench/attention_sm90_bwd.py --shapes "8,2048,16,128;32,1024,12,64"   # GPT-1.3B, 124M
     python bench/attention_sm90_bwd.py --aot-only                  # no GPU: bench/attention_sm90_bwd_sass.py
 """
 from __future__ import annotations
@@ -94,12 +97,13 @@ def run_cell(torch, F, triton, b9, att, shape, causal, rep, configs):
         # lse2 / delta as the Gluon backward makes them, for the per-kernel timings
         lse2, delta = att._backward_prep(dout, o, lse, None, None, b, n, n, h, 0)
         best = {}
-        for kind in ("dkdv", "dq"):
-            for cfg in configs[kind][d]:
+        for kind in ("dkdv", "dq", "dkdv_dq"):
+            for cfg in configs.get(kind, {}).get(d, []):
                 name = f"gluon_{kind}_" + "_".join(map(str, cfg))
                 r = res[name] = {"config": list(cfg)}
                 try:
-                    kw = {"dkdv_config": cfg} if kind == "dkdv" else {"dq_config": cfg}
+                    kw = {"dkdv": {"dkdv_config": cfg}, "dq": {"dq_config": cfg},
+                          "dkdv_dq": {"dq_mode": "atomic", "dkdv_dq_config": cfg}}[kind]
                     grads = b9.backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale, **kw)
                     torch.cuda.synchronize()
                     r["max_rel"] = {g: round(max_rel(x, y), 5) for g, x, y in zip(("dq", "dk", "dv"), grads, ref)}
@@ -109,6 +113,11 @@ def run_cell(torch, F, triton, b9, att, shape, causal, rep, configs):
                         if kind == "dkdv":
                             dk, dv = torch.empty_like(k), torch.empty_like(v)
                             fn = lambda: b9.launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal, scale, cfg)  # noqa: E731,E501
+                        elif kind == "dkdv_dq":   # the kernel alone (dq_acc adds up over the runs: same time)
+                            dk, dv = torch.empty_like(k), torch.empty_like(v)
+                            acc = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+                            fn = lambda: b9.launch_dkdv_dq(  # noqa: E731
+                                q, k, v, dout, dk, dv, acc, lse2, delta, causal, scale, cfg)
                         else:
                             dq = torch.empty_like(q)
                             fn = lambda: b9.launch_dq(q, k, v, dout, dq, lse2, delta, causal, scale, cfg)  # noqa: E731
@@ -134,6 +143,30 @@ def run_cell(torch, F, triton, b9, att, shape, causal, rep, configs):
             print(f"  {'gluon (best pair)':28} {r}", flush=True)
         else:
             res["gluon"] = {"error": "no correct config of one of the kernels"}
+        if "dkdv_dq" in best:
+            ca = best["dkdv_dq"][0]
+            r = res["gluon_atomic"] = {"dkdv_dq_config": list(ca)}
+            try:
+                fn = lambda: b9.backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale,  # noqa: E731
+                                         dq_mode="atomic", dkdv_dq_config=ca)
+                ms = time_ms(triton, fn, rep)
+                r.update(ms=round(ms, 4), tflops=tflops(b, n, h, d, causal, ms),
+                         vs_triton=round(res["triton"]["ms"] / ms, 3))
+                if "ms" in res["gluon"]:
+                    r["vs_split"] = round(res["gluon"]["ms"] / ms, 3)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc(limit=3)
+            print(f"  {'gluon atomic (best)':28} {r}", flush=True)
+            dq = torch.empty_like(q)
+
+            def overhead():   # what dq_mode="atomic" adds around its kernel
+                acc = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+                dq.copy_(acc.transpose(1, 2))
+            res["atomic_dq_overhead"] = {"ms": round(time_ms(triton, overhead, rep), 4)}
+            print(f"  {'atomic dq zero + cast':28} {res['atomic_dq_overhead']}", flush=True)
+        else:
+            res["gluon_atomic"] = {"error": "no correct dkdv_dq config"}
     del q, k, v, dout, o, lse, ref
     torch.cuda.empty_cache()
     return cell
@@ -165,7 +198,7 @@ def main(argv=None) -> int:
     print(f"attention_sm90_bwd available: {result['available']} ({b9._GLUON_ERROR or 'Gluon imported'})",
           flush=True)
     if not result["available"]:
-        for kind in ("dkdv", "dq"):
+        for kind in ("dkdv", "dq", "dkdv_dq"):
             try:   # say why: the build error, if it is one
                 b9.compile_sm90(kind, 128, False)
             except Exception as e:  # noqa: BLE001
@@ -186,14 +219,15 @@ def main(argv=None) -> int:
                 result["cells"].append({"shape": list(shape), "causal": causal,
                                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
             write_result(result, "attention_sm90_bwd.json", [args.out])   # partial results survive a crash
-    print("\nbackward TFLOP/s (Gluon with its fastest config pair vs the rest)")
+    print("\nbackward TFLOP/s (Gluon with its fastest config pair, Gluon atomic with its fastest config, the rest)")
     for cell in result["cells"]:
         res = cell.get("results", {})
         others = "  ".join(f"{k} {r.get('tflops', 'err')}" for k, r in res.items()
-                           if not k.startswith("gluon"))
-        g = res.get("gluon", {})
+                           if not k.startswith(("gluon", "atomic_dq")))
+        g, a = res.get("gluon", {}), res.get("gluon_atomic", {})
         print(f"  {str(tuple(cell['shape'])):22} causal={cell['causal']!s:5}  gluon {g.get('tflops', 'err')} "
-              f"({g.get('dkdv_config')}, {g.get('dq_config')})  {others}")
+              f"({g.get('dkdv_config')}, {g.get('dq_config')})  atomic {a.get('tflops', 'err')} "
+              f"({a.get('dkdv_dq_config')})  {others}")
     write_result(result, "attention_sm90_bwd.json", [args.out])
     return 0
 

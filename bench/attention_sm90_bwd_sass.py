@@ -1,6 +1,7 @@
-"""The Gluon sm_90 attention backward kernels (ops/attention_sm90_bwd.py: dK/dV and dQ) compiled ahead of time
-for sm_90a, no GPU needed (Triton's own ptxas and cuobjdump), and what each build says: registers, spills,
-wgmma count, setmaxnreg, the wgmmas and waits of the consumer loops, shared memory.
+"""The Gluon sm_90 attention backward kernels (ops/attention_sm90_bwd.py: dK/dV, dQ, and dkdv_dq, the dK/dV
+kernel with atomic dQ of dq_mode="atomic") compiled ahead of time for sm_90a, no GPU needed (Triton's own ptxas
+and cuobjdump), and what each build says: registers, spills, wgmma count, setmaxnreg, the wgmmas and waits of
+the consumer loops, shared memory.
 
     python bench/attention_sm90_bwd_sass.py                  # every kernel x head_dim x causal x dtype, default configs
     python bench/attention_sm90_bwd_sass.py --all-configs --json
@@ -33,7 +34,7 @@ def report(kind: str, d: int, causal: bool, dtype: str, cfg) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--all-configs", action="store_true", help="every config of CONFIGS, not only the first")
-    p.add_argument("--kernels", default="dkdv,dq")
+    p.add_argument("--kernels", default="dkdv,dq,dkdv_dq")
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--json", action="store_true", help="one JSON list on the last line")
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
                         bad += not r.get("ok", False)
                         if args.json:
                             continue
-                        head = f"{kind:4} d{d} {str(tuple(cfg)):13} causal={causal!s:5} {dtype}"
+                        head = f"{kind:7} d{d} {str(tuple(cfg)):16} causal={causal!s:5} {dtype}"
                         if "error" in r:
                             print(f"{head}  FAILED {r['error']}")
                             continue

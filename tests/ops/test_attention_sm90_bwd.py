@@ -31,7 +31,27 @@ def test_imports_and_is_unavailable_on_cpu():
     lse = torch.zeros(1, 2, 16)
     with pytest.raises(ValueError):
         b9.backward(q, q, q, q, q, lse, causal=False, softmax_scale=0.125)
-    assert set(b9.CONFIGS) == {"dkdv", "dq"}
+    assert set(b9.CONFIGS) == {"dkdv", "dq", "dkdv_dq"}
+
+
+def test_unknown_dq_mode_raises_value_error_naming_it():
+    """Checked before anything else, so on any machine."""
+    q = torch.randn(1, 16, 2, 64)
+    lse = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="'fused'"):
+        b9.backward(q, q, q, q, q, lse, causal=False, softmax_scale=0.125, dq_mode="fused")
+    with pytest.raises(ValueError, match="dq_mode"):
+        b9.backward(q, q, q, q, q, lse, causal=False, softmax_scale=0.125, dq_mode=None)
+
+
+def test_dkdv_dq_configs_are_well_formed():
+    """(BLOCK_N, BLOCK_M, STAGES, SPLIT) for d64 and d128; SPLIT needs BLOCK_M 64 (a wgmma's M)."""
+    for d in (64, 128):
+        cfgs = b9.CONFIGS["dkdv_dq"][d]
+        assert cfgs and len(set(cfgs)) == len(cfgs)
+        for bn, bm, stages, split in cfgs:
+            assert bn == 64 and bm in (64, 128) and stages >= 2 and split in (0, 1)
+            assert not split or bm == 64
 
 
 def _reference(q, k, v, dout, causal, scale):
@@ -53,8 +73,9 @@ def _err(x, ref):
     return (x.double() - ref).abs().max().item()
 
 
-def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=None, dq_config=None):
-    if not b9.available("cuda"):
+def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=None, dq_config=None,
+          dq_mode="split", dkdv_dq_config=None):
+    if not b9.available("cuda") or (dq_mode == "atomic" and not b9.available_atomic("cuda")):
         pytest.skip(f"no sm_90 GPU with Gluon: {b9._GLUON_ERROR}")
     q = torch.randn(batch, seqlen, hq, d, dtype=dtype, device="cuda")
     k = torch.randn(batch, seqlen, hkv, d, dtype=dtype, device="cuda")
@@ -64,7 +85,8 @@ def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=N
     with torch.no_grad():
         o, lse = flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     dq, dk, dv = b9.backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale,
-                             dkdv_config=dkdv_config, dq_config=dq_config)
+                             dkdv_config=dkdv_config, dq_config=dq_config, dq_mode=dq_mode,
+                             dkdv_dq_config=dkdv_dq_config)
     torch.cuda.synchronize()
     for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous(), name
@@ -164,3 +186,100 @@ def test_gpu_unsupported_raises_value_error():
         b9.backward(y, y, y, y, y, lse, causal=False, softmax_scale=0.1)
     with pytest.raises(ValueError, match="lse"):
         b9.backward(x, x, x, x, x, lse.double(), causal=False, softmax_scale=0.1)
+
+
+# dq_mode="atomic": dQ added by the dK/dV kernel with float32 atomics (the order varies, so tolerances only)
+
+def check_atomic(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, config=None):
+    return check(batch, seqlen, hq, hkv, d, causal, dtype=dtype, dq_mode="atomic", dkdv_dq_config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_atomic_matches_reference(head_dim, causal):
+    check_atomic(2, 1024, 4, 4, head_dim, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_atomic_dtypes(dtype, causal, head_dim):
+    check_atomic(1, 512, 2, 2, head_dim, causal, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_atomic_gqa(head_dim, causal):
+    """dQ of each query head of a group from the one kv head's program (4 per kv head, and 8 on one)."""
+    check_atomic(2, 768, 8, 2, head_dim, causal)
+    check_atomic(1, 300, 8, 1, head_dim, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [1, 37, 130, 1000, 1100])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_atomic_ragged_seqlen(seqlen, head_dim, causal):
+    """Query rows past the end get no atomics and keys past the end (the next sequence's rows, batch 3) no share
+    of dQ: dq_acc starts at zero, so a stray add shows as an error in another sequence's dq, not as a NaN."""
+    check_atomic(3, seqlen, 4, 2, head_dim, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_atomic_every_config(head_dim):
+    for cfg in b9.CONFIGS["dkdv_dq"][head_dim]:
+        for causal in (False, True):
+            check_atomic(2, 1000, 4, 2, head_dim, causal, config=cfg)
+            check_atomic(1, 200, 8, 1, head_dim, causal, dtype=torch.float16, config=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_real_size():
+    check_atomic(2, 4096, 16, 16, 128, True)
+    check_atomic(1, 4096, 16, 4, 128, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_mode", ["split", "atomic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_grads_views_written_in_place(head_dim, dq_mode):
+    """grads= views of one fused QKV gradient (token rows of stride 3 * heads * head_dim, as
+    FlashAttnQKVFunction passes them): written in place, nothing outside them touched."""
+    if not b9.available("cuda") or (dq_mode == "atomic" and not b9.available_atomic("cuda")):
+        pytest.skip("no sm_90 GPU with Gluon")
+    batch, seqlen, heads = 2, 333, 4
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(2)
+    dout = torch.randn(batch, seqlen, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    scale = 1.0 / math.sqrt(head_dim)
+    with torch.no_grad():
+        o, lse = flash_attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True)
+    dqkv = torch.full_like(qkv, float("nan"))
+    views = tuple(dqkv.unbind(2))
+    got = b9.backward(dout, q, k, v, o, lse, causal=True, softmax_scale=scale, grads=views, dq_mode=dq_mode)
+    torch.cuda.synchronize()
+    assert all(g.data_ptr() == w.data_ptr() for g, w in zip(got, views))
+    assert not dqkv.isnan().any()
+    refs = _reference(q, k, v, dout, True, scale)
+    tri = att._attn_backward(dout, q, k, v, o, lse, None, None, 0, scale, -1, 0)
+    for g, t, r in zip(views, tri, refs):
+        assert _err(g, r) <= 2 * _err(t, r) + ABS_FLOOR
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_agrees_with_split():
+    """The two modes' dk, dv come from the same math in another order of the GEMMs' issue: close, and dq within
+    the atomics' rounding of the split kernel's."""
+    if not b9.available_atomic("cuda"):
+        pytest.skip("no sm_90 GPU with Gluon")
+    q, k, v, dout = (torch.randn(2, 1000, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    with torch.no_grad():
+        o, lse = flash_attention(q, k, v, causal=True, softmax_scale=0.09, return_lse=True)
+    a = b9.backward(dout, q, k, v, o, lse, causal=True, softmax_scale=0.09, dq_mode="atomic")
+    s = b9.backward(dout, q, k, v, o, lse, causal=True, softmax_scale=0.09)
+    for x, y in zip(a, s):
+        assert (x.float() - y.float()).abs().max() <= 2e-2 * y.float().abs().max()

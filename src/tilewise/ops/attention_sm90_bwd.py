@@ -45,6 +45,30 @@ dQ kernel (`_attn_bwd_dq_sm90`), one program per (pair of BLOCK_M-row query tile
   warp streaming (K_j, V_j) into a ring with k_full / v_full / k_free / v_free (the forward's scheme).
 - per key block: S = Q K_j^T and dP = dO V_j^T issued together, P under dP, dS, dQ += dS K_j.
 
+dK/dV with dQ by atomics (`_attn_bwd_dkdv_dq_sm90`, backward(dq_mode="atomic"); not yet run on a GPU): the dK/dV
+kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead of 7 (no
+second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of stage
+i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too (K-major,
+no register copy of dS^T). dQ_i's A is the slot's transposed view (MN-major, 16-bit wgmma takes it), B the K
+tiles. SPLIT 1 (FA3's split): each warpgroup arrives on the stage's ds_ready (count 2) and waits for the other's
+half, then computes dQ_i[:, its half of the columns] over both tiles' 2 BLOCK_N keys (two wgmmas, K = BLOCK_N
+each; B a column slice of each K tile), so each adds BLOCK_M x D/2 and the pair's atomics halve. SPLIT 0: each
+warpgroup dQ_i over its own keys, every column (no handshake, twice the atomics). The ring's free barrier now
+also frees the stage's dS halves: a warpgroup overwrites its half only after the producer refilled the stage,
+i.e. after both consumers' dQ wgmmas read it; for the same reason ds_ready can never run a phase ahead.
+Order in a step: S^T, dP^T; P^T; dV (A P^T in registers); dS^T to shared memory; dK; [ds_ready]; wait dV (P^T's
+registers free); dQ; wait; free; atomics (`gl.atomic_add(..., sem="relaxed")`, masked to query rows < seqlen).
+Keys past the end (the next sequence's rows) would add to dQ: their S^T rows start at -inf (non-causal; causal
+masks them already). Registers at d128, 240 a consumer thread: dK + dV 128, S^T + dP^T 64, P^T 16 (as the
+dK/dV kernel) and dQ's 32 (64 x 64 fp32) only once S^T / dP^T are dead; SPLIT 0 at d128 (64 x 128, 64) spilled.
+The atomics' addresses: dq_acc is float32 (batch, heads_q, seqlen, head_dim), so a step's tile is one block
+and each thread's 16 reductions are two base registers plus immediates (in q's (batch, seqlen, heads) layout
+each took its own 64-bit address and the build spilled). The accumulator layout gives each thread pairs of
+adjacent columns: PTX atom.global.gpu.relaxed.add.v2.f32, SASS REDG.E.ADD.F32x2.STRONG.GPU (16 a thread a
+step at 64 x 64); a v4 layout would need a convert_layout through 16 KB of shared memory a warpgroup. Shared
+memory at d128 (64, 64, 2, 1): K, V 64 KB, Q / dO ring 64 KB, ds_ring 2 stages x 2 x 8 KB = 32 KB (164 KB).
+The backward zeroes dq_acc (torch.zeros), and one strided torch copy_ casts it into dq (or the grads= view).
+
 Masking: as the forward, by a branch on the boundary blocks only (causal diagonal, ragged end). In the dK/dV
 kernel query rows past the end get lse2 = +inf (P = 0) and are masked; key rows past the end (the next
 sequence's rows or TMA's zero fill) are computed and never stored. In the dQ kernel key columns past the end
@@ -78,12 +102,18 @@ from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescrip
 LOG2E = 1.4426950408889634
 
 # dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES);
-# dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES). The first is the default.
+# dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES);
+# dkdv_dq (dq_mode="atomic"): dkdv's three and SPLIT (1: each warpgroup dQ's half of the columns over both key
+# tiles; 0: every column over its own tile). The first is the default. Only configs that build with 0 spills
+# for bf16 / fp16, causal or not: d128 SPLIT 0 spilled 21 causal, d64 BLOCK_M 128 spilled ~100, SPLIT with
+# BLOCK_M 32 is no wgmma (M 32).
 CONFIGS = {
     "dkdv": {128: [(64, 64, 2), (64, 32, 4)],
              64: [(64, 64, 3), (64, 128, 2), (64, 64, 4)]},
     "dq": {128: [(64, 64, 3), (64, 64, 2), (64, 128, 2)],
            64: [(64, 64, 3), (64, 128, 3), (64, 64, 4)]},
+    "dkdv_dq": {128: [(64, 64, 2, 1)],
+                64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0)]},
 }
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
@@ -269,6 +299,197 @@ if gl is not None:
                 mbarrier.invalidate(free.index(i))
 
         # ------------------------------------------------------------------------------------------
+        # dK / dV with dQ by atomics (dq_mode="atomic")
+        # ------------------------------------------------------------------------------------------
+        @gluon.jit
+        def _dkdv_dq_consumer(k_tiles, v_tile, q_ring, do_ring, ds_ring, kv_bar, q_full, do_full, free, ds_ready,
+                              DK, DV, DQA, LSE2, DELTA, key0, seqlen, b, heads, out_row, h0, q_lo, n_iter,
+                              qk_scale, softmax_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+            """_dkdv_consumer's loop (warpgroup WG of the pair, keys key0 .. key0 + BLOCK_N) plus dQ_i: dS^T_i goes
+            to ds_ring (stage, WG) and, SPLIT, dQ_i[:, WG half of the columns] = dS_i K over both tiles' keys once
+            ds_ready says the other half is there; else dQ_i = dS_i K over its own keys, every column. The partial
+            (times softmax_scale) is added to DQA (float32 (batch, heads_q, seqlen, head_dim)) with relaxed
+            atomics."""
+            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_M, 16])
+            g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, HEAD_DIM, 16])
+            DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+            q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, DQ_N, 16])
+            op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+            row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+            col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+            row_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+            col_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+            row_q: gl.constexpr = gl.SliceLayout(1, q_layout)
+            col_q: gl.constexpr = gl.SliceLayout(0, q_layout)
+            k_tile = k_tiles.index(WG)
+            dtype: gl.constexpr = k_tile.dtype
+
+            kpos = key0 + gl.arange(0, BLOCK_N, layout=row_s)
+            zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+            # keys past the end (the next sequence's rows) must not reach dQ: their S^T rows start at -inf (P^T
+            # = 0; causal masks them already): two registers, no mask branch
+            key_bias = gl.where(kpos < seqlen, 0.0, float("-inf"))
+            cols = gl.arange(0, BLOCK_M, layout=col_s)
+            qrows = gl.arange(0, BLOCK_M, layout=row_q)
+            qoffs = gl.expand_dims(qrows * HEAD_DIM, 1) + gl.expand_dims(gl.arange(0, DQ_N, layout=col_q), 0)
+            # the warpgroup's first dQ column (SPLIT: its half)
+            DQ_COL: gl.constexpr = WG * DQ_N if SPLIT else 0
+            zero_q = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=q_layout)
+            dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+            dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+            inv_scale = 1.0 / qk_scale
+            if CAUSAL:
+                first_clean = key0 + BLOCK_N - 1
+            else:
+                first_clean = 0
+
+            mbarrier.wait(kv_bar, 0)
+            stage = 0
+            phase = 0
+            start_m = q_lo
+            lrow = ((b * heads + h0) * seqlen).to(gl.int64)
+            for it in range(n_iter):
+                qpos = start_m + cols
+                in_seq = qpos < seqlen
+                lse2 = gl.load(LSE2 + lrow + qpos, mask=in_seq, other=float("inf"))
+                delta = gl.load(DELTA + lrow + qpos, mask=in_seq, other=0.0)
+                if CAUSAL:
+                    s_init = zero_s - gl.expand_dims(lse2 * inv_scale, 0)
+                else:
+                    s_init = gl.expand_dims(key_bias, 1) - gl.expand_dims(lse2 * inv_scale, 0)
+                dp_init = zero_s - gl.expand_dims(delta, 0)
+
+                mbarrier.wait(q_full.index(stage), phase)
+                s_tok = warpgroup_mma(k_tile, q_ring.index(stage).permute((1, 0)), s_init, is_async=True)
+                mbarrier.wait(do_full.index(stage), phase)
+                dp_tok = warpgroup_mma(v_tile, do_ring.index(stage).permute((1, 0)), dp_init, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))
+                p = gl.exp2(s * qk_scale)
+                if (start_m < first_clean) | (start_m + BLOCK_M > seqlen):
+                    keep = gl.expand_dims(in_seq, 0)
+                    if CAUSAL:
+                        keep = keep & (gl.expand_dims(kpos, 1) <= gl.expand_dims(qpos, 0))
+                    p = gl.where(keep, p, 0.0)
+                p_op = gl.convert_layout(p.to(dtype), op_layout)
+                dv_tok = warpgroup_mma(p_op, do_ring.index(stage), dv, is_async=True)
+                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+                ds = (p * dp).to(dtype)
+                ds_buf = ds_ring.index(2 * stage + WG)
+                ds_buf.store(ds)
+                fence_async_shared()   # the generic-proxy stores before the wgmmas' (async proxy) reads
+                gl.thread_barrier()    # every thread's stores and fences before this warpgroup's wgmmas
+                # dS^T from shared memory (K-major) as dK's A too: no register copy of dS^T stays live
+                dk_tok = warpgroup_mma(ds_buf, q_ring.index(stage), dk, is_async=True)
+                if SPLIT:
+                    # both halves of dS_i (2 BLOCK_N keys) in place: each warpgroup's arrive follows its
+                    # partition's bar.sync, so all 128 threads' stores (and fences) precede it
+                    mbarrier.arrive(ds_ready.index(stage))
+                    mbarrier.wait(ds_ready.index(stage), phase)
+                dv, p_op = warpgroup_mma_wait(1, deps=(dv_tok, p_op))   # P^T's registers free for dQ's
+                if SPLIT:
+                    dq_tok = warpgroup_mma(ds_ring.index(2 * stage).permute((1, 0)),
+                                           k_tiles.index(0).slice(WG * DQ_N, DQ_N, dim=1), zero_q,
+                                           use_acc=False, is_async=True)
+                    dq_tok = warpgroup_mma(ds_ring.index(2 * stage + 1).permute((1, 0)),
+                                           k_tiles.index(1).slice(WG * DQ_N, DQ_N, dim=1), dq_tok, is_async=True)
+                else:
+                    dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_tile, zero_q, use_acc=False, is_async=True)
+                dk, dq = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok))
+                mbarrier.arrive(free.index(stage))   # also frees this stage's dS halves (read by both)
+                # DQA is (batch, heads_q, seqlen, HEAD_DIM): the step's tile is one block, each thread's addresses
+                # one base and constant offsets
+                dqa = DQA + ((lrow + start_m) * HEAD_DIM + DQ_COL)
+                gl.atomic_add(dqa + qoffs, dq * softmax_scale, mask=gl.expand_dims(start_m + qrows < seqlen, 1),
+                              sem="relaxed")
+                stage += 1
+                if stage == STAGES:
+                    stage = 0
+                    phase ^= 1
+                start_m += BLOCK_M
+                if start_m >= seqlen:   # the next query head of the group
+                    start_m = q_lo
+                    lrow += seqlen
+
+            # key0, hk, b again from the program ids: registers less across the loop (causal d128 spilled them)
+            rows = gl.program_id(0) * (2 * BLOCK_N) + WG * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_g)
+            dcol = gl.arange(0, HEAD_DIM, layout=col_g)
+            row64 = (gl.program_id(2) * seqlen + rows).to(gl.int64)
+            col0 = gl.program_id(1).to(gl.int64) * HEAD_DIM   # int64: ptxas kept the int32 one in a spill slot
+            offs = gl.expand_dims(row64 * out_row + col0, 1) + gl.expand_dims(dcol, 0)
+            mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
+            gl.store(DV + offs, dv.to(dtype), mask=mask)
+            gl.store(DK + offs, (dk * softmax_scale).to(dtype), mask=mask)
+
+        @gluon.jit
+        def _attn_bwd_dkdv_dq_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, DQA, LSE2, DELTA,
+                                   seqlen, heads, out_row, group, qk_scale, softmax_scale,
+                                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                                   STAGES: gl.constexpr, SPLIT: gl.constexpr, CAUSAL: gl.constexpr,
+                                   PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr):
+            """_attn_bwd_dkdv_sm90's grid and producer; the consumers add dQ into DQA as they go."""
+            pid = gl.program_id(0)
+            hk = gl.program_id(1)
+            b = gl.program_id(2)
+            h0 = hk * group
+            n0 = pid * (2 * BLOCK_N)
+            if CAUSAL:
+                q_lo = (n0 // BLOCK_M) * BLOCK_M
+            else:
+                q_lo = 0
+            n_q = gl.cdiv(seqlen - q_lo, BLOCK_M)
+            n_iter = n_q * group
+
+            dtype: gl.constexpr = q_desc.dtype
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+            k_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+            v_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
+            q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+            # dS^T of (stage, warpgroup): K-major for dK's A, its transposed view MN-major for dQ's A
+            ds_ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, BLOCK_M], ds_layout)
+            kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            ds_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(q_full.index(i), count=1)
+                mbarrier.init(do_full.index(i), count=1)
+                mbarrier.init(free.index(i), count=2)       # one arrive per consumer warpgroup
+                mbarrier.init(ds_ready.index(i), count=2)   # both halves of the stage's dS stored
+            fence_async_shared()
+
+            key0 = n0
+            key1 = n0 + BLOCK_N
+            gl.warp_specialize([
+                (_dkdv_dq_consumer, (k_tiles, v_tiles.index(0), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                     free, ds_ready, DK, DV, DQA, LSE2, DELTA, key0, seqlen, b, heads, out_row, h0,
+                                     q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
+                                     CAUSAL, SPLIT, 0)),
+                (_dkdv_dq_consumer, (k_tiles, v_tiles.index(1), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                     free, ds_ready, DK, DV, DQA, LSE2, DELTA, key1, seqlen, b, heads, out_row, h0,
+                                     q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
+                                     CAUSAL, SPLIT, 1)),
+                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
+                                  q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
+                                  seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+            mbarrier.invalidate(kv_bar)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(q_full.index(i))
+                mbarrier.invalidate(do_full.index(i))
+                mbarrier.invalidate(free.index(i))
+                mbarrier.invalidate(ds_ready.index(i))
+
+        # ------------------------------------------------------------------------------------------
         # dQ
         # ------------------------------------------------------------------------------------------
         @gluon.jit
@@ -388,33 +609,35 @@ if gl is not None:
             invalidate_kv_ring(k_full, v_full, k_free, v_free, STAGES)
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
         _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
-        _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = None
+        _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = _attn_bwd_dkdv_dq_sm90 = None
 else:
-    _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = None
+    _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = _attn_bwd_dkdv_dq_sm90 = None
 
 
 def _kernel(kind):
-    return {"dkdv": _attn_bwd_dkdv_sm90, "dq": _attn_bwd_dq_sm90}[kind]
+    return {"dkdv": _attn_bwd_dkdv_sm90, "dq": _attn_bwd_dq_sm90, "dkdv_dq": _attn_bwd_dkdv_dq_sm90}[kind]
 
 
 def _tile_rows(kind, config):
     """(rows of a query tile, rows of a key tile) of the kernel's TMA descriptors."""
-    if kind == "dkdv":
-        bn, bm, _ = config
+    if kind in ("dkdv", "dkdv_dq"):
+        bn, bm = config[:2]
     else:
         bm, bn, _ = config
     return bm, bn
 
 
 def _consts(kind, head_dim, causal, config):
-    a, b, stages = config
-    names = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
-    return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, "CAUSAL": causal, **ROLE_CONSTS}
+    a, b, stages = config[:3]
+    names = ("BLOCK_M", "BLOCK_N") if kind == "dq" else ("BLOCK_N", "BLOCK_M")
+    extra = {"SPLIT": bool(config[3])} if kind == "dkdv_dq" else {}
+    return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, **extra, "CAUSAL": causal,
+            **ROLE_CONSTS}
 
 
 def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", config=None):
-    """Kernel `kind` ('dkdv' or 'dq') compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16' or
-    'fp16', config as in CONFIGS[kind]. What bench/attention_sm90_bwd_sass.py inspects and available() tries
+    """Kernel `kind` ('dkdv', 'dq' or 'dkdv_dq') compiled ahead of time for sm_90a (no GPU touched): dtype 'bf16'
+    or 'fp16', config as in CONFIGS[kind]. What bench/attention_sm90_bwd_sass.py inspects and available() tries
     once."""
     fn = _kernel(kind)
     if fn is None:
@@ -425,7 +648,8 @@ def compile_sm90(kind: str, head_dim: int, causal: bool, dtype: str = "bf16", co
     qd = tensordesc_type(dtype, (bm, head_dim), q_layout)
     kd = tensordesc_type(dtype, (bn, head_dim), kv_layout)
     types = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd,
-             "DK": f"*{dtype}", "DV": f"*{dtype}", "DQ": f"*{dtype}", "LSE2": "*fp32", "DELTA": "*fp32",
+             "DK": f"*{dtype}", "DV": f"*{dtype}", "DQ": f"*{dtype}", "DQA": "*fp32", "LSE2": "*fp32",
+             "DELTA": "*fp32",
              "qk_scale": "fp32", "softmax_scale": "fp32"}
     return aot_compile(fn, _consts(kind, head_dim, causal, config), types)
 
@@ -440,6 +664,17 @@ def available(device) -> bool:
     """True on a CUDA sm_90 device whose Triton's Gluon builds these kernels (checked once per process)."""
     return (_attn_bwd_dkdv_sm90 is not None and _attn_bwd_dq_sm90 is not None and on_sm90(device)
             and _gluon_builds())
+
+
+@functools.lru_cache(maxsize=None)
+def _atomic_builds() -> bool:
+    """Whether this Triton's Gluon builds dq_mode="atomic"'s kernel (once, ahead of time)."""
+    return builds_ahead(lambda: compile_sm90("dkdv_dq", 128, False))
+
+
+def available_atomic(device) -> bool:
+    """available(device), and dq_mode="atomic"'s kernel builds too."""
+    return available(device) and _attn_bwd_dkdv_dq_sm90 is not None and _atomic_builds()
 
 
 def _check(dout, q, k, v, o, lse, causal, softmax_scale):
@@ -534,14 +769,47 @@ def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float
                             num_warps=num_warps)
 
 
+def launch_dkdv_dq(q, k, v, dout, dk, dv, dq_acc, lse2, delta, causal: bool, softmax_scale: float, config=None,
+                   num_warps: int = 4):
+    """dq_mode="atomic"'s kernel: writes dk, dv as launch_dkdv and adds dQ (softmax_scale applied) into dq_acc, a
+    zeroed float32 contiguous (batch, heads_q, seqlen, head_dim) tensor; the inputs as launch_dkdv's."""
+    batch, seqlen, heads, d = q.shape
+    heads_kv = k.shape[2]
+    out_row = _output_rows(dk, k, "dk")
+    if _output_rows(dv, k, "dv") != out_row:
+        raise ValueError(f"attention_sm90_bwd: dk and dv must share their strides, got {dk.stride()} and "
+                         f"{dv.stride()}")
+    if (dq_acc.shape != (batch, heads, seqlen, d) or dq_acc.dtype != torch.float32 or not dq_acc.is_contiguous()
+            or dq_acc.device != q.device):
+        raise ValueError(f"attention_sm90_bwd: dq_acc must be float32 contiguous {(batch, heads, seqlen, d)} on "
+                         f"{q.device}, got {tuple(dq_acc.shape)} {dq_acc.dtype}")
+    config = tuple(config) if config is not None else CONFIGS["dkdv_dq"][d][0]
+    bn, bm = config[:2]
+    descs = _descriptors(q, dout, k, v, bm, bn)
+    grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
+    _attn_bwd_dkdv_dq_sm90[grid](*descs, dk, dv, dq_acc, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
+                                 softmax_scale * LOG2E, softmax_scale, **_consts("dkdv_dq", d, causal, config),
+                                 num_warps=num_warps)
+
+
+DQ_MODES = ("split", "atomic")
+
+
 def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_config=None, dq_config=None,
-             grads=None):
+             grads=None, dq_mode: str = "split", dkdv_dq_config=None):
     """(dq, dk, dv) of attention.py's dense backward with dLSE = None: attention.py's prep kernel
-    (`_backward_prep`: lse2 = lse * log2(e), delta = rowsum(dO * O)), then the two Gluon kernels. o and lse are
+    (`_backward_prep`: lse2 = lse * log2(e), delta = rowsum(dO * O)), then the Gluon kernels. o and lse are
     the forward's (attention.py's or attention_sm90.py's, natural-log lse). grads: (dq, dk, dv) to write into
     (views of one fused QKV gradient, as attention.py's FlashAttnQKVFunction passes), else new contiguous
-    tensors. Raises ValueError for what it does not support."""
+    tensors. dq_mode "split": the dK/dV and dQ kernels (7 GEMMs a tile pair, bitwise repeatable); "atomic": the
+    dK/dV kernel that also adds dQ into a zeroed float32 buffer with atomics (5 GEMMs; dq repeatable only to
+    the atomics' order), dkdv_dq_config as in CONFIGS["dkdv_dq"], then one cast into dq. Raises ValueError for
+    what it does not support."""
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"attention_sm90_bwd: unknown dq_mode {dq_mode!r} (one of {', '.join(DQ_MODES)})")
     _check(dout, q, k, v, o, lse, causal, softmax_scale)
+    if dq_mode == "atomic" and not available_atomic(q.device):
+        raise ValueError(f"attention_sm90_bwd: dq_mode='atomic' does not build here ({_GLUON_ERROR})")
     from .attention import _backward_prep
     batch, seqlen, heads, d = q.shape
     q, _ = as_rows(q)
@@ -554,6 +822,12 @@ def backward(dout, q, k, v, o, lse, causal: bool, softmax_scale: float, dkdv_con
     if grads is None:
         grads = tuple(new_output(t.shape, t.dtype, t.device, _NAN_FILL) for t in (q, k, v))
     dq, dk, dv = grads
+    if dq_mode == "atomic":
+        _output_rows(dq, q, "dq")
+        dq_acc = torch.zeros((batch, heads, seqlen, d), dtype=torch.float32, device=q.device)
+        launch_dkdv_dq(q, k, v, dout, dk, dv, dq_acc, lse2, delta, causal, float(softmax_scale), dkdv_dq_config)
+        dq.copy_(dq_acc.transpose(1, 2))   # one strided cast (the scale is applied before the atomics)
+        return dq, dk, dv
     launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal, float(softmax_scale), dkdv_config)
     launch_dq(q, k, v, dout, dq, lse2, delta, causal, float(softmax_scale), dq_config)
     return dq, dk, dv
