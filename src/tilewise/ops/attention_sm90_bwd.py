@@ -45,7 +45,15 @@ dQ kernel (`_attn_bwd_dq_sm90`), one program per (pair of BLOCK_M-row query tile
   warp streaming (K_j, V_j) into a ring with k_full / v_full / k_free / v_free (the forward's scheme).
 - per key block: S = Q K_j^T and dP = dO V_j^T issued together, P under dP, dS, dQ += dS K_j.
 
-dK/dV with dQ by atomics (`_attn_bwd_dkdv_dq_sm90`, backward(dq_mode="atomic"); not yet run on a GPU): the dK/dV
+dK/dV with dQ by atomics (`_attn_bwd_dkdv_dq_sm90`, backward(dq_mode="atomic"); not dispatched: slower). At
+5c48d2c (H200, bench/attention_sm90_bwd.py) it was correct at every config (gradients within 0.3% of the Triton
+backward's; 37 of its gpu tests passed before the run's time limit, none failed) but 0.80-0.85x the split mode:
+d128 4 x 4096 x 16 372 / 327 TFLOP/s non-causal / causal against 439 / 388, 8 x 2048 x 16 341 / 281 against
+421 / 346; d64 32 x 1024 x 12 235 / 179 against 295 / 216. Zeroing dq_acc and the cast took 0.10-0.13 ms of
+it; the kernel alone (3.53 ms at d128 4 x 4096 non-causal) is slower than the dK/dV and dQ kernels together.
+Not yet known where its time goes: the atomics after each step's last wait, the per-step ds_ready handshake
+(which takes away the unsynchronized warpgroups' overlap) and dK's A now read from shared memory are the
+suspects. The dK/dV
 kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead of 7 (no
 second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of stage
 i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too (K-major,
