@@ -53,8 +53,8 @@ d128 4 x 4096 x 16 372 / 327 TFLOP/s non-causal / causal against 439 / 388, 8 x 
 it; the kernel alone (3.53 ms at d128 4 x 4096 non-causal) is slower than the dK/dV and dQ kernels together.
 Not yet known where its time goes: the atomics after each step's last wait, the per-step ds_ready handshake
 (which takes away the unsynchronized warpgroups' overlap) and dK's A now read from shared memory are the
-suspects. The dK/dV
-kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead of 7 (no
+suspects.
+Design: the dK/dV kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead of 7 (no
 second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of stage
 i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too (K-major,
 no register copy of dS^T). dQ_i's A is the slot's transposed view (MN-major, 16-bit wgmma takes it), B the K
