@@ -54,28 +54,28 @@ it; the kernel alone (3.53 ms at d128 4 x 4096 non-causal) is slower than the dK
 Not yet known where its time goes: the atomics after each step's last wait, the per-step ds_ready handshake
 (which takes away the unsynchronized warpgroups' overlap) and dK's A now read from shared memory are the
 suspects.
-Design: the dK/dV kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead of 7 (no
-second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of stage
-i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too (K-major,
-no register copy of dS^T). dQ_i's A is the slot's transposed view (MN-major, 16-bit wgmma takes it), B the K
-tiles. SPLIT 1 (FA3's split): each warpgroup arrives on the stage's ds_ready (count 2) and waits for the other's
-half, then computes dQ_i[:, its half of the columns] over both tiles' 2 BLOCK_N keys (two wgmmas, K = BLOCK_N
-each; B a column slice of each K tile), so each adds BLOCK_M x D/2 and the pair's atomics halve. SPLIT 0: each
-warpgroup dQ_i over its own keys, every column (no handshake, twice the atomics). The ring's free barrier now
-also frees the stage's dS halves: a warpgroup overwrites its half only after the producer refilled the stage,
-i.e. after both consumers' dQ wgmmas read it; for the same reason ds_ready can never run a phase ahead.
-Order in a step: S^T, dP^T; P^T; dV (A P^T in registers); dS^T to shared memory; dK; [ds_ready]; wait dV (P^T's
-registers free); dQ; wait; free; atomics (`gl.atomic_add(..., sem="relaxed")`, masked to query rows < seqlen).
-Keys past the end (the next sequence's rows) would add to dQ: their S^T rows start at -inf (non-causal; causal
-masks them already). Registers at d128, 240 a consumer thread: dK + dV 128, S^T + dP^T 64, P^T 16 (as the
-dK/dV kernel) and dQ's 32 (64 x 64 fp32) only once S^T / dP^T are dead; SPLIT 0 at d128 (64 x 128, 64) spilled.
-The atomics' addresses: dq_acc is float32 (batch, heads_q, seqlen, head_dim), so a step's tile is one block
-and each thread's 16 reductions are two base registers plus immediates (in q's (batch, seqlen, heads) layout
-each took its own 64-bit address and the build spilled). The accumulator layout gives each thread pairs of
-adjacent columns: PTX atom.global.gpu.relaxed.add.v2.f32, SASS REDG.E.ADD.F32x2.STRONG.GPU (16 a thread a
-step at 64 x 64); a v4 layout would need a convert_layout through 16 KB of shared memory a warpgroup. Shared
-memory at d128 (64, 64, 2, 1): K, V 64 KB, Q / dO ring 64 KB, ds_ring 2 stages x 2 x 8 KB = 32 KB (164 KB).
-The backward zeroes dq_acc (torch.zeros), and one strided torch copy_ casts it into dq (or the grads= view).
+Design: the dK/dV kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead
+of 7 (no second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of
+stage i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too
+(K-major, no register copy of dS^T). dQ_i's A is the slot's transposed view (MN-major, 16-bit wgmma takes it), B the
+K tiles. SPLIT 1 (FA3's split): each warpgroup arrives on the stage's ds_ready (count 2) and waits for the other's
+half, then computes dQ_i[:, its half of the columns] over both tiles' 2 BLOCK_N keys (two wgmmas, K = BLOCK_N each;
+B a column slice of each K tile), so each adds BLOCK_M x D/2 and the pair's atomics halve. SPLIT 0: each warpgroup
+dQ_i over its own keys, every column (no handshake, twice the atomics). The ring's free barrier now also frees the
+stage's dS halves: a warpgroup overwrites its half only after the producer refilled the stage, i.e. after both
+consumers' dQ wgmmas read it; for the same reason ds_ready can never run a phase ahead. Order in a step: S^T, dP^T;
+P^T; dV (A P^T in registers); dS^T to shared memory; dK; [ds_ready]; wait dV (P^T's registers free); dQ; wait; free;
+atomics (`gl.atomic_add(..., sem="relaxed")`, masked to query rows < seqlen). Keys past the end (the next sequence's
+rows) would add to dQ: their S^T rows start at -inf (non-causal; causal masks them already). Registers at d128, 240
+a consumer thread: dK + dV 128, S^T + dP^T 64, P^T 16 (as the dK/dV kernel) and dQ's 32 (64 x 64 fp32) only once S^T
+/ dP^T are dead; SPLIT 0 at d128 (64 x 128, 64) spilled. The atomics' addresses: dq_acc is float32 (batch, heads_q,
+seqlen, head_dim), so a step's tile is one block and each thread's 16 reductions are two base registers plus
+immediates (in q's (batch, seqlen, heads) layout each took its own 64-bit address and the build spilled). The
+accumulator layout gives each thread pairs of adjacent columns: PTX atom.global.gpu.relaxed.add.v2.f32, SASS
+REDG.E.ADD.F32x2.STRONG.GPU (16 a thread a step at 64 x 64); a v4 layout would need a convert_layout through 16 KB
+of shared memory a warpgroup. Shared memory at d128 (64, 64, 2, 1): K, V 64 KB, Q / dO ring 64 KB, ds_ring 2 stages
+x 2 x 8 KB = 32 KB (164 KB). The backward zeroes dq_acc (torch.zeros), and one strided torch copy_ casts it into dq
+(or the grads= view).
 
 Masking: as the forward, by a branch on the boundary blocks only (causal diagonal, ragged end). In the dK/dV
 kernel query rows past the end get lse2 = +inf (P = 0) and are masked; key rows past the end (the next
