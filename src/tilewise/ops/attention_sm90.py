@@ -94,9 +94,10 @@ CONFIGS = {
 # At c724bc2 (H200, bench/attention_sm90.py, TFLOP/s of the best grid config against the persistent default)
 # the persistent schedule won at 1024 to 4096 tokens: d128 4 x 4096 x 16 non-causal 666 against 610, causal
 # 565 / 537, 8 x 2048 x 16 580 / 542 and 463 / 448; d64 4 x 4096 x 32 467 / 435 and 408 / 387, 16 x 1024 x 32
-# 396 / 359 and 285 / 236. At 16384 (1 x 16384 x 16, d128) it lost: 619 / 629 non-causal, 544 / 617 causal,
-# there with the plain round robin that gives program 0 the heaviest tile of every round (now a snake, see
-# query_pair_tile).
+# 396 / 359 and 285 / 236. At 16384 (1 x 16384 x 16, d128) it lost: 619 / 629 non-causal, 544 / 617 causal.
+# A snake order of the causal rounds (c4f00fa: every other round reversed, so program 0 no longer takes every
+# round's heaviest tile) lifted that causal cell to 599 / 615 but measured worse at 4096 and 2048 tokens
+# (persistent / grid 0.98 and 1.02 against 1.05 and 1.03 without it), so the plain round robin stays.
 PERSISTENT_UP_TO = 8192
 # The share of L2 a causal section of the persistent schedule's K/V may take (see _causal_section): a guess,
 # not measured.

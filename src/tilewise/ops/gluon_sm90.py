@@ -221,15 +221,10 @@ if gluon is not None:
             a unit's pairs side by side, the order of the one-program-per-pair grid (the tiles running at
             once share K/V in L2). Causal: `section` units at a time (as many as have their K/V in L2; the
             last section may be smaller), a section's tiles heaviest first (every unit's latest pair, then the
-            pair before, ...), so the round robin of the programs over the tiles ends on light ones; and every
-            other full round of the programs runs reversed (a snake), so the program that took a round's
-            heaviest tile takes the next round's lightest: with a plain round robin program 0 takes the
-            heaviest of every round. A partial last round is not reversed (each tile still has one program)."""
+            pair before, ...), so the round robin of the programs over the tiles ends on light ones. (A snake,
+            every other round reversed so that program 0 does not take every round's heaviest tile, measured
+            worse where the schedule is the default: see attention_sm90.PERSISTENT_UP_TO.)"""
             if CAUSAL:
-                programs = gl.num_programs(0)
-                n_round = t // programs
-                if (n_round % 2 == 1) & ((n_round + 1) * programs <= n_pairs * units):
-                    t = n_round * programs + programs - 1 - t % programs
                 first_unit = (t // (section * n_pairs)) * section
                 in_section = t - first_unit * n_pairs
                 size = gl.minimum(section, units - first_unit)
