@@ -123,3 +123,47 @@ def test_torch_compile_fullgraph_matches_eager():
         y_ref, (dx_ref, dw_ref, db_ref) = run(ops.linear, x, w, b, dy)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
     assert dw.dtype == db.dtype == torch.float32 and torch.allclose(db, db_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_low_weight_is_rewritten_by_adamw_and_dropped_when_stale(monkeypatch):
+    """With KEEP_LOW_WEIGHTS: from the second step on the forward uses the bf16 copy AdamW wrote beside its
+    update (bitwise the cast of the updated weight, as a fresh cast would be); an in-place change of the
+    weight outside the optimizer makes the forward cast afresh; with the switch off nothing is kept."""
+    import sys
+
+    from tilewise.ops.adamw import AdamW
+    lin = sys.modules["tilewise.ops.linear"]   # tilewise.ops.linear is also the function's name
+
+    def train(keep, steps):
+        monkeypatch.setattr(lin, "KEEP_LOW_WEIGHTS", keep)
+        g = torch.Generator().manual_seed(5)
+        w = torch.nn.Parameter(torch.randn(24, 40, generator=g) / 40 ** 0.5)
+        opt = AdamW([w], lr=1e-2)
+        opt.min_numel = 0
+        ys = []
+        for _ in range(steps):
+            x = torch.randn(8, 40, generator=g, dtype=torch.bfloat16)
+            with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+                y = ops.linear(x, w)
+            ys.append((x, y.detach()))
+            y.float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return w, ys
+
+    w, ys = train(True, 4)
+    kept = w._tilewise_low[0]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, w.detach().to(torch.bfloat16))
+    assert lin.low_weight(w, torch.bfloat16) is kept   # what the next forward multiplies by
+    w_off, ys_off = train(False, 4)
+    assert getattr(w_off, "_tilewise_low", None) is None
+    for (_, y), (_, y_off) in zip(ys, ys_off):   # same numbers with and without the kept copy
+        assert torch.equal(y, y_off)
+    monkeypatch.setattr(lin, "KEEP_LOW_WEIGHTS", True)
+    with torch.no_grad():
+        w.mul_(2)                                  # not through the optimizer: the copy is stale
+    x = ys[-1][0]
+    with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.linear(x, w)
+    assert torch.equal(y, F.linear(x, w.detach().to(torch.bfloat16)))
+    assert w._tilewise_low[0] is not kept           # and the fresh cast is kept in its place

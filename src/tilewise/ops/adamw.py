@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .dispatch import use_triton
 from .launch import FastLauncher, cdiv
+from .linear import mark_refreshed, restamp
 
 # 8 elements a thread (two 16-byte loads of each fp32 stream) in small programs: the H200 sweep
 # (bench/adamw.py --sweep, commit 8a55393) timed 4233 GB/s on a 100M-element tensor and 4126 on a 12.6M one
@@ -37,8 +38,8 @@ _WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, Step, Lr, Scale, n, lr_value, beta1, beta2, eps, weight_decay,
-                  LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, Step, Lr, Scale, Low, n, lr_value, beta1, beta2, eps, weight_decay,
+                  LR_TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LOW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     step = tl.load(Step).to(tl.float32)
@@ -61,6 +62,8 @@ def _adamw_kernel(P, G, M, V, Step, Lr, Scale, n, lr_value, beta1, beta2, eps, w
     tl.store(P + offs, p.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m.to(M.dtype.element_ty), mask=mask)
     tl.store(V + offs, v.to(V.dtype.element_ty), mask=mask)
+    if HAS_LOW:   # the weight's kept low-precision copy (ops.linear.low_weight), cast as the forward would
+        tl.store(Low + offs, p.to(P.dtype.element_ty).to(Low.dtype.element_ty), mask=mask)
 
 
 _adamw_launch = FastLauncher(_adamw_kernel)
@@ -79,18 +82,23 @@ def adamw_reference_(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad
     p.sub_((lr / correction1) * m / (v.sqrt() / correction2_sqrt + eps))
 
 
-def adamw_step_(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None):
+def adamw_step_(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale=None, low=None):
     """One AdamW update of p (contiguous; g, m, v contiguous of p's shape) in place. step: a 0-d tensor on
     p's device that already counts this update; lr a float or a 0-d tensor there; grad_scale None or a
-    one-element tensor there that divides the gradient."""
+    one-element tensor there that divides the gradient; low None or a contiguous tensor of p's shape that
+    gets the updated p cast to its dtype (the kept copy of ops.linear.low_weight)."""
     if not use_triton(p):
-        return adamw_reference_(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        adamw_reference_(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+        if low is not None:
+            low.copy_(p)
+        return
     n = p.numel()
     lr_tensor = isinstance(lr, torch.Tensor)
     _adamw_launch((cdiv(n, _BLOCK),), p, g, m, v, step, lr if lr_tensor else step,
-                  grad_scale if grad_scale is not None else step, n, 0.0 if lr_tensor else float(lr),
-                  float(beta1), float(beta2), float(eps), float(weight_decay),
-                  LR_TENSOR=lr_tensor, HAS_SCALE=grad_scale is not None, BLOCK=_BLOCK, num_warps=_WARPS)
+                  grad_scale if grad_scale is not None else step, low if low is not None else p, n,
+                  0.0 if lr_tensor else float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                  LR_TENSOR=lr_tensor, HAS_SCALE=grad_scale is not None, HAS_LOW=low is not None, BLOCK=_BLOCK,
+                  num_warps=_WARPS)
 
 
 class AdamW(torch.optim.AdamW):
@@ -144,6 +152,9 @@ class AdamW(torch.optim.AdamW):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != p.device:   # a host tensor: its value
                 lr = float(lr)
+            low = mark_refreshed(p)
             adamw_step_(p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
-                        group["eps"], group["weight_decay"], grad_scale)
+                        group["eps"], group["weight_decay"], grad_scale, low)
+            if low is not None:
+                restamp(p)
         return loss

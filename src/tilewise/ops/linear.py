@@ -16,8 +16,20 @@ torch) the bf16 operands are widened exactly and multiplied in fp32.
 
 FP8 linears swap the module (tilewise.fp8.Fp8Linear), not this function, because they carry scaling
 state across steps.
+
+Kept low-precision weights (KEEP_LOW_WEIGHTS, TILEWISE_KEEP_LOW_WEIGHTS=1; off until timed in the e2e step):
+the forward's cast of each fp32 weight (the 1.3B bf16 step at c4f00fa: 170 copy kernels, 2.2 ms) is kept on
+the weight (`low_weight`), and tilewise's AdamW, which reads every weight it updates anyway, writes the
+updated weight's cast into that copy in the same pass (2 bytes a parameter more written), so later forwards
+cast nothing. A copy is used only while it matches its weight: the weight's version counter and storage as
+stamped when the copy was last written, so any other change of the weight (load_state_dict, an in-place
+init, `.data =`) makes the next forward cast afresh. Copies are kept only for weights the AdamW kernel
+updates (`mark_refreshed`): not for FSDP's unsharded weights (their DTensor shards are stepped by torch),
+whose copies would hold the memory ZeRO-3 frees.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +71,42 @@ def fp32_out_mm_ok(device, dtype) -> bool:
     return _FP32_OUT_MM_OK[key]
 
 
+KEEP_LOW_WEIGHTS = os.environ.get("TILEWISE_KEEP_LOW_WEIGHTS", "0") == "1"
+
+
+def _stamp(weight) -> tuple:
+    return weight._version, weight.data_ptr()
+
+
+def low_weight(weight: torch.Tensor, dtype) -> torch.Tensor:
+    """weight cast to dtype: its kept copy while that matches it (see the module docstring), else a fresh
+    cast, kept when KEEP_LOW_WEIGHTS is on and the optimizer refreshes this weight. Traced by torch.compile,
+    or first seen during a CUDA graph's capture (the copy would live in the graph's pool), it only casts."""
+    if torch.compiler.is_compiling():
+        return weight.to(dtype)
+    kept = getattr(weight, "_tilewise_low", None)
+    if kept is not None and kept[0].dtype == dtype and kept[1] == _stamp(weight):
+        return kept[0]
+    low = weight.to(dtype)
+    if (KEEP_LOW_WEIGHTS and getattr(weight, "_tilewise_refreshed", False)
+            and not (low.is_cuda and torch.cuda.is_current_stream_capturing())):
+        weight._tilewise_low = (low, _stamp(weight))
+    return low
+
+
+def mark_refreshed(weight: torch.Tensor):
+    """For the optimizer updating weight in place with its own kernel: the kept copy for it to rewrite (None
+    if there is none yet); the weight is marked so the next forward keeps one."""
+    weight._tilewise_refreshed = True
+    kept = getattr(weight, "_tilewise_low", None)
+    return None if kept is None else kept[0]
+
+
+def restamp(weight: torch.Tensor) -> None:
+    """After the optimizer rewrote weight's kept copy from the updated weight: the copy matches it again."""
+    weight._tilewise_low = (weight._tilewise_low[0], _stamp(weight))
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b of bf16/fp16 operands, accumulated and written in fp32."""
     if a.is_cuda and (torch.compiler.is_compiling() or fp32_out_mm_ok(a.device, a.dtype)):
@@ -72,7 +120,7 @@ class MasterWeightLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
-        x_low, w_low = x.to(dtype), weight.to(dtype)
+        x_low, w_low = x.to(dtype), low_weight(weight, dtype)
         y = F.linear(x_low, w_low, None if bias is None else bias.to(dtype))   # autocast leaves `dtype` alone
         ctx.save_for_backward(x_low, w_low)
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
