@@ -100,38 +100,49 @@ def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=N
     return dq, dk, dv
 
 
+# dq_mode="atomic" (dQ added by the dK/dV kernel with float32 atomics; their order varies, so the checks are
+# tolerances only) takes the same cases as the split kernels.
+DQ_MODES = pytest.mark.parametrize("dq_mode", ["split", "atomic"])
+
+
 @pytest.mark.gpu
+@DQ_MODES
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_matches_reference(head_dim, causal):
-    check(2, 1024, 4, 4, head_dim, causal)
+def test_gpu_matches_reference(head_dim, causal, dq_mode):
+    check(2, 1024, 4, 4, head_dim, causal, dq_mode=dq_mode)
 
 
 @pytest.mark.gpu
+@DQ_MODES
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_dtypes(dtype, causal, head_dim):
-    check(1, 512, 2, 2, head_dim, causal, dtype=dtype)
+def test_gpu_dtypes(dtype, causal, head_dim, dq_mode):
+    check(1, 512, 2, 2, head_dim, causal, dtype=dtype, dq_mode=dq_mode)
 
 
 @pytest.mark.gpu
+@DQ_MODES
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_gqa(head_dim, causal):
-    """dK, dV summed over the group's query heads (4 per kv head), and a group of 8 with one kv head."""
-    check(2, 768, 8, 2, head_dim, causal)
-    check(1, 300, 8, 1, head_dim, causal)
+def test_gpu_gqa(head_dim, causal, dq_mode):
+    """dK, dV summed over the group's query heads (4 per kv head), and a group of 8 with one kv head (atomic:
+    each query head's dQ from the one kv head's program)."""
+    check(2, 768, 8, 2, head_dim, causal, dq_mode=dq_mode)
+    check(1, 300, 8, 1, head_dim, causal, dq_mode=dq_mode)
 
 
 @pytest.mark.gpu
+@DQ_MODES
 @pytest.mark.parametrize("seqlen", [1, 37, 130, 1000, 1100])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_ragged_seqlen(seqlen, head_dim, causal):
+def test_gpu_ragged_seqlen(seqlen, head_dim, causal, dq_mode):
     """Lengths that are no multiple of any tile: the last blocks are masked, rows past the end unstored (and
-    the next sequence's rows, which the tiles read, must not leak in: batch 3)."""
-    check(3, seqlen, 4, 2, head_dim, causal)
+    the next sequence's rows, which the tiles read, must not leak in: batch 3). Atomic: dq_acc starts at zero,
+    so a stray add shows as an error in another sequence's dq, not as a NaN."""
+    check(3, seqlen, 4, 2, head_dim, causal, dq_mode=dq_mode)
 
 
 @pytest.mark.gpu
@@ -188,44 +199,10 @@ def test_gpu_unsupported_raises_value_error():
         b9.backward(x, x, x, x, x, lse.double(), causal=False, softmax_scale=0.1)
 
 
-# dq_mode="atomic": dQ added by the dK/dV kernel with float32 atomics (the order varies, so tolerances only)
+# dq_mode="atomic" beyond the shared cases above: its configs, a real size, and its agreement with the split mode
 
 def check_atomic(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, config=None):
     return check(batch, seqlen, hq, hkv, d, causal, dtype=dtype, dq_mode="atomic", dkdv_dq_config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_atomic_matches_reference(head_dim, causal):
-    check_atomic(2, 1024, 4, 4, head_dim, causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_atomic_dtypes(dtype, causal, head_dim):
-    check_atomic(1, 512, 2, 2, head_dim, causal, dtype=dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_atomic_gqa(head_dim, causal):
-    """dQ of each query head of a group from the one kv head's program (4 per kv head, and 8 on one)."""
-    check_atomic(2, 768, 8, 2, head_dim, causal)
-    check_atomic(1, 300, 8, 1, head_dim, causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seqlen", [1, 37, 130, 1000, 1100])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_atomic_ragged_seqlen(seqlen, head_dim, causal):
-    """Query rows past the end get no atomics and keys past the end (the next sequence's rows, batch 3) no share
-    of dQ: dq_acc starts at zero, so a stray add shows as an error in another sequence's dq, not as a NaN."""
-    check_atomic(3, seqlen, 4, 2, head_dim, causal)
 
 
 @pytest.mark.gpu
