@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 from common import RESULTS, PlainGPT, environment, write_result  # noqa: E402
 from tilewise.config import load_config  # noqa: E402
 from tilewise.graphs import WARMUP_STEPS, StepGraph, uncaptured_optimizer_steps  # noqa: E402
-from tilewise.model import GPT  # noqa: E402
+from tilewise.model import GPT, branch_bias_names  # noqa: E402
 from tilewise.profile import summarize_trace, trace_events  # noqa: E402
 from tilewise.train import decay_groups, make_optimizer, make_step  # noqa: E402
 
@@ -54,18 +54,19 @@ def copy_weights(src: GPT, dst: PlainGPT) -> None:
     """The baseline starts from tilewise's initialization (same layout: fused qkv, tied head)."""
     dst.wte.weight.copy_(src.wte.weight)
     dst.wpe.weight.copy_(src.wpe.weight)
-    for s, d in zip(src.blocks, dst.blocks):
+    params = dict(src.named_parameters())
+    for s, d, (attn_bias, mlp_bias) in zip(src.blocks, dst.blocks, branch_bias_names(len(src.blocks))):
         for sn, dn in ((s.norm1, d.ln1), (s.norm2, d.ln2)):
             dn.weight.copy_(sn.weight)
             dn.bias.copy_(sn.bias)
         d.qkv.weight.copy_(s.attn.qkv.weight)
         d.qkv.bias.copy_(s.attn.qkv.bias)
         d.proj.weight.copy_(s.attn.proj.weight)
-        d.proj.bias.copy_(s.attn.proj.bias)
+        d.proj.bias.copy_(params[attn_bias])
         d.fc.weight.copy_(s.mlp.up.weight)
         d.fc.bias.copy_(s.mlp.up_bias)
         d.out.weight.copy_(s.mlp.down.weight)
-        d.out.bias.copy_(s.mlp.down.bias)
+        d.out.bias.copy_(params[mlp_bias])
     dst.ln_f.weight.copy_(src.norm_f.weight)
     dst.ln_f.bias.copy_(src.norm_f.bias)
 

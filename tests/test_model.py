@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tilewise.config import ModelConfig, PRESETS, load_config
-from tilewise.model import GPT
+from tilewise.model import GPT, branch_bias_names
 
 
 def small_config(family: str) -> ModelConfig:
@@ -36,7 +36,8 @@ def textbook_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     x = model.wte.weight[idx]
     if model.wpe is not None:
         x = x + model.wpe.weight[:T]
-    for blk in model.blocks:
+    params = dict(model.named_parameters())
+    for blk, (attn_bias, mlp_bias) in zip(model.blocks, branch_bias_names(c.n_layer)):
         a = blk.attn
         h = norm(blk.norm1, x)
         qkv = F.linear(h, a.qkv.weight, a.qkv.bias)
@@ -51,7 +52,7 @@ def textbook_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
         scores = q @ k.transpose(-1, -2) / math.sqrt(c.head_dim)
         scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(*x.shape[:2], -1)
-        x = x + F.linear(o, a.proj.weight, a.proj.bias)
+        x = x + F.linear(o, a.proj.weight, params.get(attn_bias))
         h = norm(blk.norm2, x)
         m = blk.mlp
         if c.mlp == "swiglu":
@@ -59,7 +60,7 @@ def textbook_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
             inner = F.silu(gate) * up
         else:
             inner = F.gelu(F.linear(h, m.up.weight, m.up_bias), approximate="tanh")
-        x = x + F.linear(inner, m.down.weight, m.down.bias)
+        x = x + F.linear(inner, m.down.weight, params.get(mlp_bias))
     x = norm(model.norm_f, x)
     return F.linear(x, model.head_weight)
 

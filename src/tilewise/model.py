@@ -6,6 +6,12 @@ norm also adds its branch's output into the residual, so one kernel reads the br
 residual once and writes the normed activations and the new residual once:
 
     y, h = add_dropout_norm(branch_out, h, norm)   # h = h + dropout(branch_out); y = norm(h)
+
+The linears that end a branch (attention's proj, the MLP's down) have no bias of their own: the norm that
+adds their output holds it (Norm.input_bias) and the kernel adds it before the dropout. The model is GPT-2's,
+and the bias's gradient, the column sums of the kernel's dx, comes out of the kernel's backward pass over dx
+instead of a pass of its own (the MLP's up bias goes into the GELU the same way). Block i's MLP bias is
+therefore block i + 1's norm1.input_bias (the final norm's for the last block): branch_bias_names.
 """
 from __future__ import annotations
 
@@ -26,17 +32,25 @@ class Linear(nn.Linear):
 
 
 class Norm(nn.Module):
-    """The parameters of a LayerNorm/RMSNorm; the computation is the fused op in Block."""
+    """The parameters of a LayerNorm/RMSNorm, and with adds_branch the bias of the branch output it adds into
+    the residual (input_bias, with cfg.bias); the computation is the fused op."""
 
-    def __init__(self, width: int, cfg: ModelConfig):
+    def __init__(self, width: int, cfg: ModelConfig, adds_branch: bool = True):
         super().__init__()
         self.kind, self.eps = cfg.norm, cfg.norm_eps
         self.weight = nn.Parameter(torch.ones(width))
         self.bias = nn.Parameter(torch.zeros(width)) if cfg.bias and cfg.norm == "layernorm" else None
+        self.input_bias = nn.Parameter(torch.zeros(width)) if cfg.bias and adds_branch else None
 
     def add_and_norm(self, x, residual, dropout_p):
-        return ops.add_dropout_norm(x, residual, self.weight, self.bias, kind=self.kind, eps=self.eps,
-                                    dropout_p=dropout_p, training=self.training)
+        return ops.add_dropout_norm(x, residual, self.weight, self.bias, x_bias=self.input_bias, kind=self.kind,
+                                    eps=self.eps, dropout_p=dropout_p, training=self.training)
+
+
+def branch_bias_names(n_layer: int) -> list[tuple[str, str]]:
+    """Per block, the names of its attention output's and MLP output's biases (see the module docstring)."""
+    return [(f"blocks.{i}.norm2.input_bias",
+             f"blocks.{i + 1}.norm1.input_bias" if i + 1 < n_layer else "norm_f.input_bias") for i in range(n_layer)]
 
 
 class KVCache:
@@ -64,7 +78,7 @@ class Attention(nn.Module):
         self.layer, self.n_head, self.n_kv, self.head_dim = layer, cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.kind = cfg.attention
         self.qkv = Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
-        self.proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)   # its bias: norm2's input_bias
 
     def forward(self, x, rope=None, cache: KVCache | None = None):
         B, T, _ = x.shape
@@ -95,7 +109,7 @@ class MLP(nn.Module):
         else:
             self.up = Linear(cfg.d_model, cfg.ff_dim, bias=False)       # its bias is fused into the GELU
             self.up_bias = nn.Parameter(torch.zeros(cfg.ff_dim)) if cfg.bias else None
-        self.down = Linear(cfg.ff_dim, cfg.d_model, bias=cfg.bias)
+        self.down = Linear(cfg.ff_dim, cfg.d_model, bias=False)   # its bias: the next norm's input_bias
 
     def forward(self, x):
         h = self.up(x)
@@ -109,7 +123,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.dropout = cfg.dropout
-        self.norm1, self.attn = Norm(cfg.d_model, cfg), Attention(cfg, layer)
+        self.norm1, self.attn = Norm(cfg.d_model, cfg, adds_branch=layer > 0), Attention(cfg, layer)
         self.norm2, self.mlp = Norm(cfg.d_model, cfg), MLP(cfg)
 
     def forward(self, x, residual, rope=None, cache=None):

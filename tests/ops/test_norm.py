@@ -93,9 +93,9 @@ def make(rows, width, dtype, *, residual=True, bias=True, res_dtype=None, device
 
 
 def check_against_float64(x, r, w, b, *, kind, residual_dtype=None, dropout_p=0.0, seed=None, mask=None,
-                          kernel=None, grads=None):
+                          kernel=None, grads=None, xb=None):
     """Runs the kernel and the reference (same dtypes, and float64) and compares outputs and gradients;
-    grads: the (dy, dh) to use instead of fresh ones."""
+    grads: the (dy, dh) to use instead of fresh ones; xb: an x_bias (its gradient is compared last)."""
     h_dtype = residual_dtype or (r.dtype if r is not None else x.dtype)
     y_shape = x.shape
     g = torch.Generator().manual_seed(123)
@@ -104,20 +104,23 @@ def check_against_float64(x, r, w, b, *, kind, residual_dtype=None, dropout_p=0.
     if grads is not None:
         dy, dh = grads
 
-    def kernel_fn(x, r, w, b):
+    def kernel_fn(x, r, w, b, xb=None):
         with ops.use("triton"):
-            return add_dropout_norm(x, r, w, b, kind=kind, residual_dtype=residual_dtype, dropout_p=dropout_p,
-                                    seed=seed)
+            return add_dropout_norm(x, r, w, b, x_bias=xb, kind=kind, residual_dtype=residual_dtype,
+                                    dropout_p=dropout_p, seed=seed)
 
-    def ref_fn(x, r, w, b):
-        return add_dropout_norm_reference(x, r, w, b, kind=kind, residual_dtype=residual_dtype,
+    def ref_fn(x, r, w, b, xb=None):
+        return add_dropout_norm_reference(x, r, w, b, x_bias=xb, kind=kind, residual_dtype=residual_dtype,
                                           dropout_p=dropout_p, keep_mask=mask)
 
-    inputs = [leaf(t) for t in (x, r, w, b)]
+    tensors = (x, r, w, b) + ((xb,) if xb is not None else ())
+    inputs = [leaf(t) for t in tensors]
     got = run(kernel or kernel_fn, inputs, (dy, dh))
     names = ["y", "h", "dx"] + (["dresidual"] if r is not None else []) + ["dweight"]
     names += ["dbias"] if b is not None else []
-    ref64 = run(ref_fn, [leaf(t, torch.float64) for t in (x, r, w, b)], (dy.double(), dh.double()))
+    names += ["dx_bias"] if xb is not None else []
+    assert len(got) == len(names)
+    ref64 = run(ref_fn, [leaf(t, torch.float64) for t in tensors], (dy.double(), dh.double()))
     same = run(ref_fn, inputs, (dy, dh))
     assert got[0].dtype == x.dtype and got[1].dtype == h_dtype
     for name, a, ref, t in zip(names, got, ref64, same):
@@ -204,18 +207,19 @@ class _ChunkedForTest(torch.autograd.Function):
     """The launchers with an explicit Config (the public op picks its own from the width)."""
 
     @staticmethod
-    def forward(ctx, x, r, w, b, is_rms, p, seed, cfg):
-        y, h, stats = norm._forward(x, r, w, b, is_rms, 1e-5, p, seed, r.dtype, cfg)
+    def forward(ctx, x, r, w, b, is_rms, p, seed, cfg, xb=None):
+        y, h, stats = norm._forward(x, r, w, b, is_rms, 1e-5, p, seed, r.dtype, cfg, x_bias=xb)
         ctx.save_for_backward(h, w, stats)
-        ctx.args = (is_rms, p, seed, x.dtype, r.dtype, b.dtype, cfg)
+        ctx.args = (is_rms, p, seed, x.dtype, r.dtype, b.dtype, cfg, None if xb is None else xb.dtype)
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
         h, w, stats = ctx.saved_tensors
-        is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg = ctx.args
-        dx, dr, dw, db = norm._backward(dy, dh, h, w, stats, is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg=cfg)
-        return dx, (dx if dr is None else dr), dw, db, None, None, None, None
+        is_rms, p, seed, x_dtype, r_dtype, b_dtype, cfg, xb_dtype = ctx.args
+        dx, dr, dw, db, dxb = norm._backward(dy, dh, h, w, stats, is_rms, p, seed, x_dtype, r_dtype, b_dtype,
+                                             cfg=cfg, xb_dtype=xb_dtype)
+        return dx, (dx if dr is None else dr), dw, db, None, None, None, None, dxb
 
 
 @pytest.mark.parametrize("cfg", [Config(1, 128, 4), Config(4, 128, 4), Config(8, 128, 2, num_stages=1)], ids=str)
@@ -228,6 +232,38 @@ def test_tile_shapes_agree(cfg):
 
     check_against_float64(x, r, w, b, kind="layernorm", dropout_p=0.1, mask=keep_mask(37, 100, 0.1, 4, DEVICE),
                           kernel=kernel)
+
+
+def _x_bias(width, dtype, seed=4):
+    return (0.5 * torch.randn(width, generator=torch.Generator().manual_seed(seed))).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("dtype,xb_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.float16, torch.float16)], ids=str)
+@pytest.mark.parametrize("residual,bias", [(True, True), (True, False), (False, False)])
+def test_x_bias_matches_float64(kind, dtype, xb_dtype, residual, bias):
+    """x_bias (the bias of the linear layer that made x) added before the norm; its gradient, the column sums
+    of dx, comes out of the backward's partial sums as their second section (no norm bias) or third."""
+    x, r, w, b = make(13, 300, dtype, residual=residual, bias=bias, seed=3)
+    got = check_against_float64(x, r, w, b, kind=kind, xb=_x_bias(300, xb_dtype))
+    assert got[-1].dtype == xb_dtype and got[-1].shape == (300,)
+
+
+@pytest.mark.parametrize("kind", norm.NORM_KINDS)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_x_bias_goes_under_the_dropout(kind, chunked):
+    """h = residual + dropout(x + x_bias), in the row-tile kernels and in the chunked forward and split
+    backward (forced with 64-wide chunks at width 130); dx_bias sums the dropped, rescaled dx."""
+    rows, width, p, seed = 9, 130, 0.3, 21
+    x, r, w, b = make(rows, width, torch.float32, seed=6)
+    mask = keep_mask(rows, width, p, seed, DEVICE)
+    kernel = None
+    if chunked:
+        def kernel(x, r, w, b, xb):
+            return _ChunkedForTest.apply(x, r, w, b, kind == "rmsnorm", p, seed, Config(1, 64, 2, chunked=True), xb)
+    check_against_float64(x, r, w, b, kind=kind, dropout_p=p, seed=seed, mask=mask, kernel=kernel,
+                          xb=_x_bias(width, torch.float32))
 
 
 def test_launch_configs():
@@ -278,19 +314,22 @@ def build(fn, ptrs, constexprs, cfg):
     return {"spills": sass.count("LDL") + sass.count("STL"), "sass": len(sass), "max_wait": max(waits or [0])}
 
 out = []
-for width in (768, 4096, 8192):
-    for is_rms in (False, True):
-        cfg = norm.forward_config(width, is_rms)
-        ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Stats": "*fp32"}
-        cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
-        out.append(["fwd", width, is_rms, build(norm._fwd_kernel, ptrs, cx, cfg)])
-        cfg = norm.backward_config(width, is_rms)
-        ptrs = dict.fromkeys(["DY", "DHIN", "H", "W", "DX", "DR"], "*bf16")
-        ptrs |= dict.fromkeys(["Stats", "C", "Part"], "*fp32")
-        cx = dict(HAS_DHIN=True, HAS_DR=False, HAS_BIAS=not is_rms, IS_RMS=is_rms, HAS_DROP=False, SPLIT=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
-        out.append(["bwd", width, is_rms, build(norm._bwd_kernel, ptrs, cx, cfg)])
+# every width with and without the norm's bias; GPT-2's widths (768, 2048) also as GPT-2 runs them, with the
+# previous linear's bias as an fp32 x_bias (at 8192 that backward spills 4: not a model's width here)
+cases = [(w, rms, False) for w in (768, 4096, 8192) for rms in (False, True)]
+cases += [(768, False, True), (2048, False, True)]
+for width, is_rms, has_xb in cases:
+    cfg = norm.forward_config(width, is_rms)
+    ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Stats": "*fp32", "XB": "*fp32"}
+    cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, HAS_XB=has_xb, IS_RMS=is_rms, HAS_DROP=False,
+              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    out.append(["fwd", width, is_rms, build(norm._fwd_kernel, ptrs, cx, cfg)])
+    cfg = norm.backward_config(width, is_rms)
+    ptrs = dict.fromkeys(["DY", "DHIN", "H", "W", "DX", "DR"], "*bf16")
+    ptrs |= dict.fromkeys(["Stats", "C", "Part"], "*fp32")
+    cx = dict(HAS_DHIN=True, HAS_DR=False, HAS_BIAS=not is_rms, HAS_XB=has_xb, IS_RMS=is_rms, HAS_DROP=False,
+              SPLIT=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    out.append(["bwd", width, is_rms, build(norm._bwd_kernel, ptrs, cx, cfg)])
 print(json.dumps(out))
 """
 
@@ -465,6 +504,8 @@ def test_bad_inputs_raise():
         ((x, r[:, :16], w), ValueError, "residual shape"),
         ((x, r, w[:16]), ValueError, "weight shape"),
         ((x, r, w, b[:3]), ValueError, "bias shape"),
+        ((x, r, w, b, b[:3]), ValueError, "x_bias shape"),
+        ((x, r, w, b, b.int()), ValueError, "x_bias dtype"),
         ((x.cpu().numpy(), r, w), TypeError, "torch.Tensor"),
         ((x, r, w.to("meta")), ValueError, "meta"),
         ((torch.empty(2, 65537), None, torch.empty(65537)), ValueError, "65536"),
@@ -473,7 +514,7 @@ def test_bad_inputs_raise():
     ]
     for args, exc, word in bad_args:
         with pytest.raises(exc, match=word), ops.use("triton"):
-            add_dropout_norm(*args)
+            add_dropout_norm(*args[:4], **({"x_bias": args[4]} if len(args) > 4 else {}))
     with pytest.raises(ValueError, match="p="):
         keep_mask(2, 2, 1.5, 0)
 
@@ -483,20 +524,23 @@ def test_bad_inputs_raise():
 def test_custom_ops_pass_opcheck():
     """Schema, fake (meta) implementations and autograd registration, as torch.compile relies on them."""
     x, r, w, b = make(5, 40, torch.float32)
-    fwd_args = (x, r, w, b, False, 1e-5, 0.1, 3, torch.float32)
-    torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_fwd.default, fwd_args)
+    for xb in (None, b.clone()):
+        fwd_args = (x, r, w, b, False, 1e-5, 0.1, 3, torch.float32, xb)
+        torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_fwd.default, fwd_args)
     y, h, stats = torch.ops.tilewise.add_dropout_norm_fwd(*fwd_args)
     assert stats.shape == (2, 5)
-    for dh, res_dtype, bias_dtype in ((torch.randn_like(h), torch.float32, torch.float32), (None, None, None)):
+    for dh, res_dtype, bias_dtype, xb_dtype in ((torch.randn_like(h), torch.float32, torch.float32, None),
+                                                (None, None, None, torch.float32),
+                                                (torch.randn_like(h), None, torch.float32, torch.float32)):
         torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
                               (torch.randn_like(y), dh, h, w, stats, False, 0.1, 3, torch.float32, res_dtype,
-                               bias_dtype, False))
-    rms = torch.ops.tilewise.add_dropout_norm_fwd(x, None, w, None, True, 1e-5, 0.0, 0, torch.float32)
+                               bias_dtype, False, xb_dtype))
+    rms = torch.ops.tilewise.add_dropout_norm_fwd(x, None, w, None, True, 1e-5, 0.0, 0, torch.float32, None)
     assert rms[2].shape == (1, 5)
     for split_dr in (False, True):      # dresidual written beside dx, or dx serving for both
         torch.library.opcheck(torch.ops.tilewise.add_dropout_norm_bwd.default,
                               (torch.randn_like(y), torch.randn_like(h), rms[1], w, rms[2], True, 0.0, 0,
-                               torch.float32, torch.float32, None, split_dr))
+                               torch.float32, torch.float32, None, split_dr, None))
 
 
 def test_torch_compile_keeps_one_graph():
@@ -577,18 +621,18 @@ def interpreted_direct_launches(monkeypatch):
     monkeypatch.setattr(norm, "_PREPARED", {})
 
 
-def fwd_bwd(x, r, w, b, kind, residual_dtype=None, grads=None, dh=True):
+def fwd_bwd(x, r, w, b, kind, residual_dtype=None, grads=None, dh=True, xb=None):
     """y, h and every gradient of one add_dropout_norm call (leaves made from the given tensors)."""
-    leaves = [leaf(t) for t in (x, r, w, b)]
+    leaves = [leaf(t) for t in (x, r, w, b, xb)]
     with ops.use("triton"):
-        y, h = add_dropout_norm(*leaves, kind=kind, residual_dtype=residual_dtype)
+        y, h = add_dropout_norm(*leaves[:4], x_bias=leaves[4], kind=kind, residual_dtype=residual_dtype)
         dy, dh_ = grads
         torch.autograd.backward([y, h] if dh else [y], [dy, dh_] if dh else [dy])
     return [y.detach(), h.detach()] + [t.grad for t in leaves if t is not None]
 
 
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm, no bias", "no residual", "fp32 residual stream",
-                                  "no dh", "3-d rows"])
+                                  "no dh", "3-d rows", "x_bias", "rmsnorm, x_bias"])
 def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_launches):
     """A call signature's second call runs its forward and backward plans (_CALLS), which rebuild each
     launch's arguments from the signature's constants and the new tensors: outputs and gradients bitwise the
@@ -597,6 +641,7 @@ def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_laun
     through the general path once (which keeps it for the gradients' layout), the fourth both directly."""
     kind = "rmsnorm" if case.startswith("rmsnorm") else "layernorm"
     res_dtype = torch.float32 if case == "fp32 residual stream" else None
+    xb = _x_bias(48, torch.float32) if case.endswith("x_bias") else None
     shape = (2, 19, 48) if case == "3-d rows" else (37, 48)
 
     def inputs(seed):
@@ -607,26 +652,26 @@ def test_call_plans_pass_the_keyed_paths_arguments(case, interpreted_direct_laun
                  torch.randn(shape, generator=g).to(DEVICE, res_dtype or torch.bfloat16)]
         return [None if t is None or t.dim() == 1 else t.view(shape) for t in (x, r)] + [w, b], grads
     args, grads = inputs(0)
-    fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh", xb=xb)
     assert len(norm._CALLS) == 2 and all(norm._CALLS.values())      # a forward and a backward plan
     args, grads = inputs(5)
     plans, used = dict(norm._CALLS), []
     for sig in plans:
         norm._CALLS[sig] = False                                    # the keyed path
     norm._PREPARED.clear()
-    want = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+    want = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh", xb=xb)
     assert norm._PREPARED == {}                                     # no plan: nothing to prepare
     for sig, plan in plans.items():
         norm._CALLS[sig] = lambda *a, plan=plan: used.append(1) or plan(*a)
     for calls in (1, 2, 3):
-        got = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh")
+        got = fwd_bwd(*args, kind, res_dtype, grads, dh=case != "no dh", xb=xb)
         assert used == [1, 1] * calls
         (prepared,) = norm._PREPARED.values()
         assert len(prepared.backward) == (calls > 1)
         assert len(got) == len(want)
         for i, (a, e) in enumerate(zip(got, want)):
             assert a.dtype == e.dtype and a.shape == e.shape and torch.equal(a, e), (calls, i)
-    check_against_float64(*args, kind=kind, residual_dtype=res_dtype, grads=tuple(grads))
+    check_against_float64(*args, kind=kind, residual_dtype=res_dtype, grads=tuple(grads), xb=xb)
 
 
 def test_call_plans_only_where_the_signature_fixes_every_argument(interpreted_direct_launches):

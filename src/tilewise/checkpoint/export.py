@@ -4,6 +4,7 @@ GPT-2 settings (layernorm, gelu, learned positions, plain multi-head attention) 
 Llama settings (rmsnorm, swiglu, rope) become LlamaForCausalLM. Tensor by tensor:
   GPT-2  Conv1D weights are stored (in, out), so every linear weight is transposed. The fused qkv weight
          (rows: q heads, k heads, v heads) is c_attn's column order already; mlp.up + mlp.up_bias are c_fc.
+         The c_proj biases are the norms' input_bias (model.branch_bias_names).
          Biases the run does not have (bias=false) are exported as zeros, since GPT-2 always has them.
   Llama  qkv rows split into q_proj, k_proj, v_proj; mlp.up rows: the first half is gate_proj, the second
          up_proj. RoPE is rotate-half in both, so q and k need no permutation.
@@ -20,6 +21,7 @@ import shutil
 
 import torch
 
+from ..model import branch_bias_names
 from .load import load_tensors
 from .manifest import CheckpointError, resolve
 
@@ -47,6 +49,7 @@ def _family(mc) -> str:
 
 def _gpt2(mc, w: dict, vocab: int) -> tuple[dict, dict]:
     d, ff = mc.d_model, mc.ff_dim
+    branch_biases = branch_bias_names(mc.n_layer)
 
     def zeros(n):
         return torch.zeros(n, dtype=w["wte.weight"].dtype)
@@ -63,12 +66,12 @@ def _gpt2(mc, w: dict, vocab: int) -> tuple[dict, dict]:
             dst + "attn.c_attn.weight": w[src + "attn.qkv.weight"].t(),
             dst + "attn.c_attn.bias": bias(src + "attn.qkv.bias", qkv_out),
             dst + "attn.c_proj.weight": w[src + "attn.proj.weight"].t(),
-            dst + "attn.c_proj.bias": bias(src + "attn.proj.bias", d),
+            dst + "attn.c_proj.bias": bias(branch_biases[i][0], d),
             dst + "ln_2.weight": w[src + "norm2.weight"], dst + "ln_2.bias": bias(src + "norm2.bias", d),
             dst + "mlp.c_fc.weight": w[src + "mlp.up.weight"].t(),
             dst + "mlp.c_fc.bias": bias(src + "mlp.up_bias", ff),
             dst + "mlp.c_proj.weight": w[src + "mlp.down.weight"].t(),
-            dst + "mlp.c_proj.bias": bias(src + "mlp.down.bias", d),
+            dst + "mlp.c_proj.bias": bias(branch_biases[i][1], d),
         })
     if not mc.tie_embeddings:
         out["lm_head.weight"] = w["lm_head.weight"]
@@ -83,6 +86,7 @@ def _gpt2(mc, w: dict, vocab: int) -> tuple[dict, dict]:
 
 def _llama(mc, w: dict, vocab: int) -> tuple[dict, dict]:
     hd, nq, nkv, ff = mc.head_dim, mc.n_head, mc.kv_heads, mc.ff_dim
+    branch_biases = branch_bias_names(mc.n_layer)
     out = {"model.embed_tokens.weight": w["wte.weight"], "model.norm.weight": w["norm_f.weight"]}
     for i in range(mc.n_layer):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
@@ -99,10 +103,10 @@ def _llama(mc, w: dict, vocab: int) -> tuple[dict, dict]:
         if mc.bias:   # attention_bias covers q, k, v and o; mlp_bias gate, up and down (tilewise's up has none)
             qb, kb, vb = w[src + "attn.qkv.bias"].split([nq * hd, nkv * hd, nkv * hd])
             out.update({dst + "self_attn.q_proj.bias": qb, dst + "self_attn.k_proj.bias": kb,
-                        dst + "self_attn.v_proj.bias": vb, dst + "self_attn.o_proj.bias": w[src + "attn.proj.bias"],
+                        dst + "self_attn.v_proj.bias": vb, dst + "self_attn.o_proj.bias": w[branch_biases[i][0]],
                         dst + "mlp.gate_proj.bias": torch.zeros(ff, dtype=qb.dtype),
                         dst + "mlp.up_proj.bias": torch.zeros(ff, dtype=qb.dtype),
-                        dst + "mlp.down_proj.bias": w[src + "mlp.down.bias"]})
+                        dst + "mlp.down_proj.bias": w[branch_biases[i][1]]})
     if not mc.tie_embeddings:
         out["lm_head.weight"] = w["lm_head.weight"]
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,

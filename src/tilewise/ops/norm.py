@@ -86,10 +86,12 @@ def _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES: tl.constex
 
 
 @triton.jit
-def _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES: tl.constexpr, HAS_DROP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """residual + dropout(x) of one tile, in fp32."""
+def _residual_sum(x, r, xb, rows, col0, seed, thr, scale, HAS_RES: tl.constexpr, HAS_XB: tl.constexpr,
+                  HAS_DROP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """residual + dropout(x + x_bias) of one tile, in fp32 (xb: the bias row, fp32, (1, BLOCK_N))."""
     h = x.to(tl.float32)
+    if HAS_XB:
+        h += xb
     if HAS_DROP:
         h = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), h * scale, 0.0)
     if HAS_RES:
@@ -98,9 +100,9 @@ def _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES: tl.constexpr, HAS
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _fwd_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
-                HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _fwd_kernel(X, R, W, B, XB, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale, n_tiles,
+                HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XB: tl.constexpr, IS_RMS: tl.constexpr,
+                HAS_DROP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Tiles of BLOCK_M whole rows in registers; program pid takes tiles pid, pid + programs, ...
     Stats holds the rows' rstd (RMSNorm), or their mean and then their rstd (LayerNorm)."""
     pid = tl.program_id(0)
@@ -113,12 +115,15 @@ def _fwd_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, th
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+    xb = w
+    if HAS_XB:
+        xb = tl.load(XB + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
         x, r = _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES)
-        h = _residual_sum(x, r, rows, 0, seed, thr, scale, HAS_RES, HAS_DROP, BLOCK_M, BLOCK_N)
+        h = _residual_sum(x, r, xb, rows, 0, seed, thr, scale, HAS_RES, HAS_XB, HAS_DROP, BLOCK_M, BLOCK_N)
         h = h.to(H.dtype.element_ty)
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(H + offs, h, mask=mask)
@@ -138,8 +143,8 @@ def _fwd_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, th
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _fwd_chunked_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale,
-                        HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
+def _fwd_chunked_kernel(X, R, W, B, XB, Y, H, Stats, M, N, stride_x, stride_r, eps, seed, thr, scale,
+                        HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XB: tl.constexpr, IS_RMS: tl.constexpr,
                         HAS_DROP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One wide row per program, by chunks: h and its statistics first, then y from h read back."""
     row = tl.program_id(0)
@@ -156,7 +161,10 @@ def _fwd_chunked_kernel(X, R, W, B, Y, H, Stats, M, N, stride_x, stride_r, eps, 
         cols = col0 + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]
         x, r = _load_inputs(X, R, rows, cols, mask, stride_x, stride_r, HAS_RES)
-        h = _residual_sum(x, r, rows, col0, seed, thr, scale, HAS_RES, HAS_DROP, 1, BLOCK_N)
+        xb = 0.0
+        if HAS_XB:
+            xb = tl.load(XB + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        h = _residual_sum(x, r, xb, rows, col0, seed, thr, scale, HAS_RES, HAS_XB, HAS_DROP, 1, BLOCK_N)
         h = h.to(H.dtype.element_ty)
         tl.store(H + r64 * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
@@ -245,12 +253,12 @@ def _load_tile_grads(DY, DHIN, H, Mean, Rstd, C1, C2, rows, row_ok, cols, col_ok
 
 @triton.jit(do_not_specialize=["seed"])
 def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr, scale,
-                HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr,
-                HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                NUM_STAGES: tl.constexpr):
+                HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XB: tl.constexpr,
+                IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT,
     where the row sums come precomputed in C: C1 then C2). Part: the programs' dweight partial rows, then
-    their dbias rows."""
+    their dbias rows (HAS_BIAS), then their dx column sums, the x_bias gradient (HAS_XB)."""
     pid = tl.program_id(0)
     Mean = Stats
     Rstd = Stats
@@ -264,6 +272,7 @@ def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dxb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -296,18 +305,27 @@ def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr
             tl.store(DR + offs, dh.to(DR.dtype.element_ty), mask=mask)
         if HAS_DROP:
             dh = tl.where(_keep_mask(seed, rows, col0, thr, BLOCK_M, BLOCK_N), dh * scale, 0.0)
-        tl.store(DX + offs, dh.to(DX.dtype.element_ty), mask=mask)
+        dx = dh.to(DX.dtype.element_ty)
+        tl.store(DX + offs, dx, mask=mask)
+        if HAS_XB:
+            dxb += dx.to(tl.float32)    # the stored dx (rows past M are 0: dy, dh_in load as 0 there)
     part = pid.to(tl.int64) * N + cols
+    section = tl.num_programs(0).to(tl.int64) * N
     tl.store(Part + part, tl.sum(dw, axis=0), mask=col_ok)
     if HAS_BIAS:
-        tl.store(Part + tl.num_programs(0).to(tl.int64) * N + part, tl.sum(db, axis=0), mask=col_ok)
+        tl.store(Part + section + part, tl.sum(db, axis=0), mask=col_ok)
+    if HAS_XB:
+        xb_part = Part + section + part
+        if HAS_BIAS:
+            xb_part += section
+        tl.store(xb_part, tl.sum(dxb, axis=0), mask=col_ok)
 
 
 @triton.jit
-def _sum_partials_kernel(Part, DW, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+def _sum_partials_kernel(Part, DW, DB, DXB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
-    """Second stage of dweight (program_id(1) == 0) and dbias (1): the column sums of R rows of fp32
-    partials (dbias's R rows follow dweight's), stored in the parameter's dtype."""
+    """Second stage of up to three column sums: program_id(1) k sums the k-th section of R rows of fp32
+    partials (each section follows the one before) into DW, DB or DXB, in that output's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     which = tl.program_id(1)
@@ -320,8 +338,10 @@ def _sum_partials_kernel(Part, DW, DB, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.
     total = tl.sum(acc, axis=0)
     if which == 0:
         tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=col_ok)
-    else:
+    elif which == 1:
         tl.store(DB + cols, total.to(DB.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(DXB + cols, total.to(DXB.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -357,7 +377,8 @@ class Config(NamedTuple):
 # the RMSNorm one, 64-85 and 60-64 in the backwards, and do not spill: 768- and 1024-wide rows keep 7-12
 # programs an SM, 8192-wide rows one of 32 warps; with two or three tiles in flight a program, that is
 # 60-200 KB of loads in flight an SM. The 8192-wide backward takes 3 stages (4 spill a register or two with
-# fp32 weights).
+# fp32 weights); with an x_bias (its fp32 column sums a third accumulator) 3 stages spill too (4 local
+# loads/stores), the 768- and 2048-wide ones do not.
 #   width: (forward,                 backward)
 _CONFIGS = {
     16:     (Config(64, 16, 4),      Config(64, 16, 4)),
@@ -513,11 +534,11 @@ _CALLS: dict = {}
 _MAX_CALLS = 1024
 
 
-def _forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype):
+def _forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype, x_bias=None):
     return (True, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
             None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15),
             weight.dtype, weight.data_ptr() & 15, None if bias is None else (bias.dtype, bias.data_ptr() & 15),
-            is_rms, eps, h_dtype)
+            is_rms, eps, h_dtype, None if x_bias is None else (x_bias.dtype, x_bias.data_ptr() & 15))
 
 
 _EMPTY: dict = {}
@@ -541,29 +562,31 @@ def _forward_call(plan: _Plan, grid, args, h_dtype):
     launch = plan.launch.planned(args)
     if not launch:
         return launch
-    x, stats = args[0], args[6]
-    shape, stats_shape, scalars = x.shape, stats.shape, args[7:]
+    x, stats = args[0], args[7]
+    shape, stats_shape, scalars = x.shape, stats.shape, args[8:]
     y_like, h_like, stats_like = _like(x.dtype, x.device), _like(h_dtype, x.device), _like(torch.float32, x.device)
 
-    def forward(x, residual, weight, bias):
+    def forward(x, residual, weight, bias, x_bias=None):
         y = y_like.new_empty(shape)
         h = h_like.new_empty(shape)
         stats = stats_like.new_empty(stats_shape)
-        launch(grid, x, x if residual is None else residual, weight, weight if bias is None else bias, y, h,
-               stats, *scalars)
+        launch(grid, x, x if residual is None else residual, weight, weight if bias is None else bias,
+               weight if x_bias is None else x_bias, y, h, stats, *scalars)
         return y, h, stats
     return forward
 
 
-def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None):
-    """x, residual: rows of N elements (see _rows), M of them. Returns y and h in x's shape, and the fp32 row
-    statistics stats: rstd (1, M) for RMSNorm, mean and rstd (2, M) for LayerNorm."""
+def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Optional[Config] = None,
+             x_bias=None):
+    """x, residual: rows of N elements (see _rows), M of them; x_bias: (N,) added to x before the dropout.
+    Returns y and h in x's shape, and the fp32 row statistics stats: rstd (1, M) for RMSNorm, mean and rstd
+    (2, M) for LayerNorm."""
     sig = None
     if cfg is None and p == 0.0:
-        sig = _forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype)
+        sig = _forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype, x_bias)
         call = _CALLS.get(sig)
         if call:
-            return call(x, residual, weight, bias)
+            return call(x, residual, weight, bias, x_bias)
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     dev = x.device
@@ -574,13 +597,15 @@ def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Opti
         return y, h, stats
     r = x if residual is None else residual
     b = weight if bias is None else bias
-    args = (x, r, weight, b, y, h, stats, M, N, _row_stride(x), _row_stride(r), eps, seed)
-    key = (True, dev, N, is_rms, residual is None, bias is None, p, x.dtype, r.dtype, h_dtype, weight.dtype,
-           b.dtype, cfg)
+    xb = weight if x_bias is None else x_bias
+    args = (x, r, weight, b, xb, y, h, stats, M, N, _row_stride(x), _row_stride(r), eps, seed)
+    key = (True, dev, N, is_rms, residual is None, bias is None, x_bias is None, p, x.dtype, r.dtype, h_dtype,
+           weight.dtype, b.dtype, xb.dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
         cfg = cfg or forward_config(N, is_rms)
-        flags = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0)
+        flags = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_XB=x_bias is not None,
+                     IS_RMS=is_rms, HAS_DROP=p > 0.0)
         launcher = _fwd_chunked_launch if cfg.chunked else _fwd_launch
         thr, scale = _dropout_params(p)
         plan = _PLANS[key] = _plan(launcher, cfg, flags, p, args + (thr, scale, _cdiv(M, cfg.block_m)), dev)
@@ -625,19 +650,22 @@ def partial_rows(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def sum_partials(part, rows: int, dw, db=None):
-    """dw (and db) = the column sums of the fp32 partial rows in part: (rows, N) for dw, then as many for db,
-    contiguous from part's first element; written in dw's (db's) dtype by one small kernel."""
+def sum_partials(part, rows: int, dw, db=None, dxb=None):
+    """dw (and db, dxb) = the column sums of the fp32 partial rows in part: (rows, N) for dw, then as many
+    for each of the others present, contiguous from part's first element; each written in its own dtype by
+    one small kernel."""
     N = dw.shape[0]
-    _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 if db is None else 2), part, dw, dw if db is None else db, rows, N)
+    outs = [t for t in (dw, db, dxb) if t is not None]
+    outs += [dw] * (3 - len(outs))
+    _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 + (db is not None) + (dxb is not None)), part, *outs, rows, N)
 
 
-def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr):
+def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype=None):
     """A backward call's signature (see _CALLS) for contiguous dy and dh; h, stats and weight are the
     forward's (contiguous, h and stats aligned)."""
     return (False, h.shape, h.dtype, h.device, dy.dtype, dy.data_ptr() & 15,
             None if dh is None else (dh.dtype, dh.data_ptr() & 15), weight.dtype, weight.data_ptr() & 15,
-            is_rms, x_dtype, res_dtype, bias_dtype, split_dr)
+            is_rms, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype)
 
 
 def _separate_dr(p, x_dtype, res_dtype, split_dr) -> bool:
@@ -656,15 +684,15 @@ def _split_dr(x, residual) -> bool:
 
 
 def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr=False,
-              cfg: Optional[Config] = None):
+              cfg: Optional[Config] = None, xb_dtype=None):
     """dy, dh (may be None): the gradients arriving at y and h, in h's shape. Returns dx (in h's shape);
-    dresidual (None where dx serves for it too, or there is no residual); dweight and dbias (None without a
-    bias), in the parameters' dtypes."""
+    dresidual (None where dx serves for it too, or there is no residual); dweight, dbias (None without a
+    bias) and dx_bias (None without one, xb_dtype None), in the parameters' dtypes."""
     dy = dy.contiguous()                      # the kernel walks rows of N contiguous elements
     dh = dh.contiguous() if dh is not None else None
     sig = None
     if cfg is None and p == 0.0:
-        sig = _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr)
+        sig = _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype)
         call = _CALLS.get(sig)
         if call:
             return call(dy, dh, h, weight, stats)
@@ -675,18 +703,19 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
     dx = torch.empty(h.shape, dtype=x_dtype, device=dev)
     dr = torch.empty(h.shape, dtype=res_dtype, device=dev) if separate else None
     if M == 0:
-        return dx, dr, torch.zeros_like(weight), (None if bias_dtype is None else
-                                                  torch.zeros(N, dtype=bias_dtype, device=dev))
+        return dx, dr, torch.zeros_like(weight), *(None if t is None else torch.zeros(N, dtype=t, device=dev)
+                                                   for t in (bias_dtype, xb_dtype))
     dw = torch.empty(N, dtype=weight.dtype, device=dev)
     db = torch.empty(N, dtype=bias_dtype, device=dev) if bias_dtype is not None else None
-    key = (False, dev, N, is_rms, dh is None, separate, bias_dtype, p, dy.dtype, h.dtype, weight.dtype, x_dtype,
-           res_dtype, cfg)
+    dxb = torch.empty(N, dtype=xb_dtype, device=dev) if xb_dtype is not None else None
+    key = (False, dev, N, is_rms, dh is None, separate, bias_dtype, xb_dtype, p, dy.dtype, h.dtype, weight.dtype,
+           x_dtype, res_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
         cfg = cfg or backward_config(N, is_rms)
         n_col = _cdiv(N, cfg.block_n) if cfg.chunked else 1
-        flags = dict(HAS_DHIN=dh is not None, HAS_DR=separate, HAS_BIAS=bias_dtype is not None, IS_RMS=is_rms,
-                     HAS_DROP=p > 0.0, SPLIT=cfg.chunked)
+        flags = dict(HAS_DHIN=dh is not None, HAS_DR=separate, HAS_BIAS=bias_dtype is not None,
+                     HAS_XB=xb_dtype is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0, SPLIT=cfg.chunked)
         # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
         args = (dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, torch.float32,
                 M, N, _cdiv(M, cfg.block_m), seed, *_dropout_params(p))
@@ -700,23 +729,26 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
         _bwd_row_sums_launch((M,), dy, h, weight, stats, c, M, N, IS_RMS=is_rms, BLOCK_N=cfg.block_n,
                              NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     programs = launch_programs(plan.per_wave, cfg.waves, n_tiles)
-    part = partial_rows(dev, (1 if db is None else 2) * programs * N)
+    sections = 1 + (db is not None) + (dxb is not None)
+    part = partial_rows(dev, sections * programs * N)
     args = (dy, dy if dh is None else dh, h, weight, stats, c, dx, dx if dr is None else dr, part, M, N, n_tiles,
             seed, plan.thr, plan.scale)
     plan.launch((programs, n_col), *args)
-    sum_partials(part, programs, dw, db)
+    sum_partials(part, programs, dw, db, dxb)
     if sig is not None and not cfg.chunked and sig not in _CALLS and len(_CALLS) < _MAX_CALLS:
-        call = _backward_call(plan, (programs, n_col), args, dw, dr, db)
+        call = _backward_call(plan, (programs, n_col), args, dw, dr, db, dxb)
         if call is not None:
             _CALLS[sig] = call
-    return dx, dr, dw, db
+    return dx, dr, dw, db, dxb
 
 
-def _backward_call(plan: _Plan, grid, args, dw, dr, db):
+def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
     """The backward of one call signature (see _CALLS): new gradients, the row kernel's and the partial
-    sums' direct launches (keyed on the first call's args and dw, dr, db)."""
+    sums' direct launches (keyed on the first call's args and dw, dr, db, dxb)."""
     dx, part, programs, N = args[6], args[8], grid[0], args[10]
-    sums_args = (part, dw, dw if db is None else db, programs, N)
+    sums_outs = [t for t in (dw, db, dxb) if t is not None]
+    sections = len(sums_outs)
+    sums_args = (part, *sums_outs, *[dw] * (3 - sections), programs, N)
     launch = plan.launch.planned(args)
     sums = _sum_partials.planned(sums_args) if launch else launch
     if not sums:
@@ -724,8 +756,8 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db):
     shape, device = dx.shape, dx.device
     dx_like, dw_like = _like(dx.dtype, device), _like(dw.dtype, device)
     dr_like, db_like = _like(None if dr is None else dr.dtype, device), _like(None if db is None else db.dtype, device)
-    n_part, scalars, sums_grid = (1 if db is None else 2) * programs * N, args[9:], (_cdiv(N, _SUM_COLUMNS),
-                                                                                    1 if db is None else 2)
+    dxb_like = _like(None if dxb is None else dxb.dtype, device)
+    n_part, scalars, sums_grid = sections * programs * N, args[9:], (_cdiv(N, _SUM_COLUMNS), sections)
 
     def backward(dy, dh, h, weight, stats):
         # the row kernel first, dweight's allocations while it runs: under a host-bound caller the GPU
@@ -737,8 +769,10 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db):
                *scalars)
         dw = dw_like.new_empty((N,))
         db = db_like.new_empty((N,)) if db_like is not None else None
-        sums(sums_grid, part, dw, dw if db is None else db, programs, N)
-        return dx, dr, dw, db
+        dxb = dxb_like.new_empty((N,)) if dxb_like is not None else None
+        outs = [t for t in (dw, db, dxb) if t is not None]
+        sums(sums_grid, part, *outs, *[dw] * (3 - sections), programs, N)
+        return dx, dr, dw, db, dxb
     return backward
 
 
@@ -748,13 +782,13 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db):
 
 @torch.library.custom_op("tilewise::add_dropout_norm_fwd", mutates_args=())
 def _fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
-            is_rms: bool, eps: float, p: float, seed: int, h_dtype: torch.dtype
+            is_rms: bool, eps: float, p: float, seed: int, h_dtype: torch.dtype, x_bias: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype)
+    return _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, x_bias=x_bias)
 
 
 @_fwd_op.register_fake
-def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
+def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, x_bias):
     return (torch.empty_like(x), x.new_empty(x.shape, dtype=h_dtype),
             x.new_empty((1 if is_rms else 2, x.numel() // x.shape[-1] if x.shape[-1] else 0),
                         dtype=torch.float32))
@@ -763,29 +797,38 @@ def _(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
 @torch.library.custom_op("tilewise::add_dropout_norm_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor,
             is_rms: bool, p: float, seed: int, x_dtype: torch.dtype, res_dtype: Optional[torch.dtype],
-            bias_dtype: Optional[torch.dtype], split_dr: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dr, dw, db = _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr)
+            bias_dtype: Optional[torch.dtype], split_dr: bool, xb_dtype: Optional[torch.dtype]
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dr, dw, db, dxb = _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype,
+                                    split_dr, xb_dtype=xb_dtype)
     return (dx, dr if dr is not None else h.new_empty(0, dtype=x_dtype), dw,
-            db if db is not None else weight.new_empty(0))
+            db if db is not None else weight.new_empty(0), dxb if dxb is not None else weight.new_empty(0))
 
 
 @_bwd_op.register_fake
-def _(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr):
+def _(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype):
     separate = _separate_dr(p, x_dtype, res_dtype, split_dr)
     return (h.new_empty(h.shape, dtype=x_dtype),
             h.new_empty(h.shape, dtype=res_dtype) if separate else h.new_empty(0, dtype=x_dtype),
             torch.empty_like(weight),
-            weight.new_empty(weight.shape, dtype=bias_dtype) if bias_dtype is not None else weight.new_empty(0))
+            *(weight.new_empty(weight.shape, dtype=t) if t is not None else weight.new_empty(0)
+              for t in (bias_dtype, xb_dtype)))
 
 
-def _fwd(*args):
+def _fwd(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, x_bias):
     """The custom op while torch.compile traces; the launcher itself otherwise, skipping the op dispatch."""
-    return torch.ops.tilewise.add_dropout_norm_fwd(*args) if torch.compiler.is_compiling() else _forward(*args)
+    if torch.compiler.is_compiling():
+        return torch.ops.tilewise.add_dropout_norm_fwd(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype,
+                                                       x_bias)
+    return _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, x_bias=x_bias)
 
 
-def _bwd(*args):
-    return torch.ops.tilewise.add_dropout_norm_bwd(*args) if torch.compiler.is_compiling() else _backward(*args)
+def _bwd(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype):
+    if torch.compiler.is_compiling():
+        return torch.ops.tilewise.add_dropout_norm_bwd(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype,
+                                                       res_dtype, bias_dtype, split_dr, xb_dtype)
+    return _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bias_dtype, split_dr,
+                     xb_dtype=xb_dtype)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -800,9 +843,9 @@ def _row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() == 2 else t.shape[-1]   # contiguous when not 2-D (see _rows)
 
 
-def _input_grads(meta, dx, dr, dw, db):
-    """The gradients of x, residual, weight and bias from the backward's dx, dr, dw, db."""
-    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape, split_dr = meta
+def _input_grads(meta, dx, dr, dw, db, dxb):
+    """The gradients of x, residual, weight, bias and x_bias from the backward's dx, dr, dw, db, dxb."""
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, xb_dtype, shape, split_dr = meta
     if dx.shape != shape:
         dx = dx.view(shape)
     dres = None
@@ -811,15 +854,15 @@ def _input_grads(meta, dx, dr, dw, db):
         # (separate views of one buffer would alias two leaves' .grad)
         dres = (dr if dr.shape == shape else dr.view(shape)) if _separate_dr(p, x_dtype, res_dtype, split_dr) \
             else dx
-    return dx, dres, dw, (db if bias_dtype is not None else None)
+    return dx, dres, dw, (db if bias_dtype is not None else None), (dxb if xb_dtype is not None else None)
 
 
 def _general_backward(meta, dy, dh, h, weight, stats):
-    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, shape, split_dr = meta
+    is_rms, p, seed, x_dtype, res_dtype, bias_dtype, xb_dtype, shape, split_dr = meta
     # a gradient may arrive as a strided view (a slice of a larger one); the launcher makes it contiguous
     dy = torch.zeros(h.shape, dtype=x_dtype, device=h.device) if dy is None else _rows(dy)
     grads = _bwd(dy, None if dh is None else _rows(dh), h, weight, stats, is_rms, p, seed, x_dtype, res_dtype,
-                 bias_dtype, split_dr)
+                 bias_dtype, split_dr, xb_dtype)
     return _input_grads(meta, *grads)
 
 
@@ -827,14 +870,14 @@ class AddDropoutNorm(torch.autograd.Function):
     """Any layout, dropout, torch.compile: the inputs are brought to rows (see _rows) and the launchers
     plan each call."""
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, is_rms, eps, p, seed, h_dtype):
+    def forward(ctx, x, residual, weight, bias, x_bias, is_rms, eps, p, seed, h_dtype):
         weight = weight.contiguous()
         y, h, stats = _fwd(_rows(x), None if residual is None else _rows(residual), weight,
-                           None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype)
+                           None if bias is None else bias.contiguous(), is_rms, eps, p, seed, h_dtype,
+                           None if x_bias is None else x_bias.contiguous())
         ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)
-        ctx.meta = (is_rms, p, seed, x.dtype, None if residual is None else residual.dtype,
-                    None if bias is None else bias.dtype, x.shape, _split_dr(x, residual))
+        ctx.meta = _meta(x, residual, bias, x_bias, is_rms, p, seed)
         if y.shape != x.shape:   # a strided x was copied to 2-D rows
             y, h = y.view(x.shape), h.view(x.shape)
         return y, h
@@ -843,6 +886,13 @@ class AddDropoutNorm(torch.autograd.Function):
     def backward(ctx, dy, dh):
         h, weight, stats = ctx.saved_tensors
         return _general_backward(ctx.meta, dy, dh, h, weight, stats) + (None,) * 5
+
+
+def _meta(x, residual, bias, x_bias, is_rms, p, seed) -> tuple:
+    """What the backward needs to know of a call besides the saved tensors (see _input_grads)."""
+    return (is_rms, p, seed, x.dtype, None if residual is None else residual.dtype,
+            None if bias is None else bias.dtype, None if x_bias is None else x_bias.dtype, x.shape,
+            _split_dr(x, residual))
 
 
 # Prepared calls: add_dropout_norm's signatures seen before without dropout, with every argument already in
@@ -859,12 +909,15 @@ class _Prepared(NamedTuple):
     meta: tuple             # AddDropoutNorm's ctx.meta
 
 
-def _op_signature(x, residual, weight, bias, kind, eps, residual_dtype):
+def _param_signature(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def _op_signature(x, residual, weight, bias, kind, eps, residual_dtype, x_bias=None):
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
             None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device,
                                            residual.data_ptr() & 15),
-            weight.shape, weight.stride(), weight.dtype, weight.device, weight.data_ptr() & 15,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
+            _param_signature(weight), _param_signature(bias), _param_signature(x_bias),
             kind, eps, residual_dtype, _split_dr(x, residual))
 
 
@@ -876,8 +929,8 @@ def _grad_layout(dy, dh):
 class PreparedAddDropoutNorm(torch.autograd.Function):
     """A prepared call (see _PREPARED): the inputs are the kernels' rows already."""
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, prepared):
-        y, h, stats = prepared.forward(x, residual, weight, bias)
+    def forward(ctx, x, residual, weight, bias, x_bias, prepared):
+        y, h, stats = prepared.forward(x, residual, weight, bias, x_bias)
         ctx.save_for_backward(h, weight, stats)
         ctx.set_materialize_grads(False)
         ctx.prepared = prepared
@@ -895,9 +948,9 @@ class PreparedAddDropoutNorm(torch.autograd.Function):
                 return _input_grads(prepared.meta, *call(dy, dh, h, weight, stats)) + (None,)
         grads = _general_backward(prepared.meta, dy, dh, h, weight, stats)
         if layout is not None and dy.is_contiguous() and (dh is None or dh.is_contiguous()):
-            is_rms, _, _, x_dtype, res_dtype, bias_dtype, _, split_dr = prepared.meta
+            is_rms, _, _, x_dtype, res_dtype, bias_dtype, xb_dtype, _, split_dr = prepared.meta
             call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype,
-                                                  split_dr))
+                                                  split_dr, xb_dtype))
             if call and len(prepared.backward) < 16:
                 prepared.backward[layout] = call
         return grads + (None,)
@@ -909,18 +962,17 @@ except (AttributeError, KeyError, TypeError):     # pragma: no cover - another t
     _apply_prepared = PreparedAddDropoutNorm.apply
 
 
-def _prepare(sig, x, residual, weight, bias, is_rms, eps, h_dtype):
+def _prepare(sig, x, residual, weight, bias, x_bias, is_rms, eps, h_dtype):
     """Keep a prepared call for sig after a general call without dropout, where the inputs were the kernels'
     layout and the forward got a call plan."""
     if len(_PREPARED) >= _MAX_CALLS or _rows(x) is not x or (residual is not None and _rows(residual) is not
                                                             residual):
         return
-    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+    if not all(t is None or t.is_contiguous() for t in (weight, bias, x_bias)):
         return
-    call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype))
+    call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype, x_bias))
     if call:
-        _PREPARED[sig] = _Prepared(call, {}, (is_rms, 0.0, 0, x.dtype, None if residual is None else residual.dtype,
-                                              None if bias is None else bias.dtype, x.shape, _split_dr(x, residual)))
+        _PREPARED[sig] = _Prepared(call, {}, _meta(x, residual, bias, x_bias, is_rms, 0.0, 0))
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
@@ -938,9 +990,9 @@ def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> tor
 
 # --------------------------------------------------------------------------------------------- public op
 
-def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
+def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype, x_bias=None):
     """Raise ValueError/TypeError naming what is wrong with the arguments of add_dropout_norm."""
-    for name, t in (("x", x), ("weight", weight), ("residual", residual), ("bias", bias)):
+    for name, t in (("x", x), ("weight", weight), ("residual", residual), ("bias", bias), ("x_bias", x_bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"add_dropout_norm: {name} is a {type(t).__name__}; expected a torch.Tensor")
     if kind not in NORM_KINDS:
@@ -957,9 +1009,10 @@ def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
         raise ValueError(f"add_dropout_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if weight.shape != (width,):
         raise ValueError(f"add_dropout_norm: weight shape {tuple(weight.shape)}; expected ({width},)")
-    if bias is not None and bias.shape != (width,):
-        raise ValueError(f"add_dropout_norm: bias shape {tuple(bias.shape)}; expected ({width},)")
-    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+    for name, t in (("bias", bias), ("x_bias", x_bias)):
+        if t is not None and t.shape != (width,):
+            raise ValueError(f"add_dropout_norm: {name} shape {tuple(t.shape)}; expected ({width},)")
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias), ("x_bias", x_bias)):
         if t is not None and t.dtype not in floats:
             raise ValueError(f"add_dropout_norm: {name} dtype {t.dtype}; expected a floating dtype")
         if t is not None and t.device != x.device:
@@ -971,23 +1024,26 @@ def check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype):
                          f"or x's dtype")
 
 
-def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e-5, dropout_p=0.0,
+def add_dropout_norm(x, residual, weight, bias=None, *, x_bias=None, kind="layernorm", eps=1e-5, dropout_p=0.0,
                      training=True, seed=None, residual_dtype=None):
-    """Returns (y, h): h = residual + dropout(x) (residual may be None), y = norm(h) * weight + bias.
+    """Returns (y, h): h = residual + dropout(x + x_bias) (residual, x_bias may be None), y = norm(h) * weight
+    + bias.
 
+    x_bias is the bias of the linear layer that made x, added here instead of in that layer's GEMM so its
+    gradient (the column sums of dx) comes out of this backward's pass over dx instead of another one.
     h is kept in residual_dtype (default: residual's dtype, else x's), y in x's dtype. seed=None draws one
     from torch's CPU generator (no device sync); the same seed gives the same mask.
     """
     sig = None
     if not (dropout_p and training) and not torch.compiler.is_compiling():
         try:
-            sig = _op_signature(x, residual, weight, bias, kind, eps, residual_dtype)
+            sig = _op_signature(x, residual, weight, bias, kind, eps, residual_dtype, x_bias)
             prepared = _PREPARED.get(sig)
         except (AttributeError, TypeError, RuntimeError):       # not tensors, or no storage: the checks say
             sig = prepared = None
         if prepared is not None and use_triton(x):
-            return _apply_prepared(x, residual, weight, bias, prepared)
-    check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype)
+            return _apply_prepared(x, residual, weight, bias, x_bias, prepared)
+    check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype, x_bias)
     p = float(dropout_p) if training else 0.0
     if use_triton(x) and x.dtype != torch.float64:      # float64 stays on the reference
         if residual_dtype is None:
@@ -997,27 +1053,32 @@ def add_dropout_norm(x, residual, weight, bias=None, *, kind="layernorm", eps=1e
         elif seed is None:
             seed = int(torch.randint(0, 2 ** 31 - 1, (1,), device="cpu").item())     # host RNG: no device sync
         is_rms = kind == "rmsnorm"
-        out = AddDropoutNorm.apply(x, residual, weight, bias, is_rms, float(eps), p, int(seed), residual_dtype)
+        out = AddDropoutNorm.apply(x, residual, weight, bias, x_bias, is_rms, float(eps), p, int(seed),
+                                   residual_dtype)
         if sig is not None and p == 0.0:
-            _prepare(sig, x, residual, weight, bias, is_rms, float(eps), residual_dtype)
+            _prepare(sig, x, residual, weight, bias, x_bias, is_rms, float(eps), residual_dtype)
         return out
-    return add_dropout_norm_reference(x, residual, weight, bias, kind=kind, eps=eps, dropout_p=p, seed=seed,
-                                      residual_dtype=residual_dtype)
+    return add_dropout_norm_reference(x, residual, weight, bias, x_bias=x_bias, kind=kind, eps=eps, dropout_p=p,
+                                      seed=seed, residual_dtype=residual_dtype)
 
 
-def add_dropout_norm_reference(x, residual, weight, bias=None, *, kind="layernorm", eps=1e-5, dropout_p=0.0,
-                               seed=None, residual_dtype=None, keep_mask=None):
-    """Plain PyTorch. keep_mask (bool, x's shape) replaces the random mask, to compare with a kernel's."""
+def add_dropout_norm_reference(x, residual, weight, bias=None, *, x_bias=None, kind="layernorm", eps=1e-5,
+                               dropout_p=0.0, seed=None, residual_dtype=None, keep_mask=None):
+    """Plain PyTorch. keep_mask (bool, x's shape) replaces the random mask, to compare with a kernel's.
+    x + x_bias is formed in fp32 at least, as the kernels form it."""
     if residual_dtype is None:
         residual_dtype = residual.dtype if residual is not None else x.dtype
     dropped = x
+    if x_bias is not None:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        dropped = x.to(wide) + x_bias.to(wide)
     if dropout_p > 0.0:
         if keep_mask is None:
             gen = None
             if seed is not None:
                 gen = torch.Generator(device=x.device).manual_seed(int(seed))
             keep_mask = torch.rand(x.shape, device=x.device, generator=gen) >= dropout_p
-        dropped = x * keep_mask / (1.0 - dropout_p)
+        dropped = dropped * keep_mask / (1.0 - dropout_p)
     h = dropped.to(residual_dtype)
     if residual is not None:
         h = h + residual.to(residual_dtype)
