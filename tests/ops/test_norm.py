@@ -574,6 +574,19 @@ def test_gpu_benchmark_sizes(shape, kind, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape,dropout_p", [((32768, 768), 0.0), ((16384, 2048), 0.0), ((4096, 2048), 0.1),
+                                             ((512, 20000), 0.0)], ids=str)
+def test_gpu_x_bias_at_model_sizes(shape, dropout_p, device):
+    """GPT-2's norms as the model runs them: bf16 activations, fp32 weight, bias and x_bias (the previous
+    linear's), at the e2e widths (one tile a row), and chunked at 20000."""
+    x, r, w, b = make(*shape, torch.bfloat16, device=device, seed=7)
+    seed = 99
+    mask = keep_mask(*shape, dropout_p, seed, device=device) if dropout_p else None
+    check_against_float64(x, r, w.float(), b.float(), kind="layernorm", dropout_p=dropout_p, seed=seed, mask=mask,
+                          xb=(0.5 * torch.randn(shape[1], generator=torch.Generator().manual_seed(8))).to(device))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", norm.NORM_KINDS)
 def test_gpu_dropout_and_fp32_residual(kind, device):
     x, r, w, b = make(4096, 4096, torch.bfloat16, res_dtype=torch.float32, device=device)
