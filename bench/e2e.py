@@ -96,9 +96,7 @@ def baseline_variant(init: GPT, cfg):
 
 
 def tilewise_variant(init: GPT, cfg, shape: tuple[int, int], *, graphs: bool, fp8: bool, compiled: bool = False,
-                     attention: str = "flash", keep_low_weights: bool = False):
-    # each variant sets it, for its own steps (the variants run one after another): ops.linear's kept copies
-    sys.modules["tilewise.ops.linear"].KEEP_LOW_WEIGHTS = keep_low_weights
+                     attention: str = "flash"):
     with torch.device("cuda"):
         model = GPT(dataclasses.replace(cfg.model, attention=attention))
     model.load_state_dict(init.state_dict())
@@ -187,9 +185,7 @@ def run_config(name: str, args) -> list[dict]:
                 ("tilewise_graphs", "bf16", tw(graphs=True, fp8=False)),
                 # the same step with torch's SDPA (cuDNN here) in place of the Triton attention: what the
                 # attention kernel alone costs against the baseline's
-                ("tilewise_sdpa_graphs", "bf16", tw(graphs=True, fp8=False, attention="sdpa")),
-                # AdamW writing the forward's bf16 weights beside its update (ops.linear.KEEP_LOW_WEIGHTS)
-                ("tilewise_graphs_kept_weights", "bf16", tw(graphs=True, fp8=False, keep_low_weights=True))]
+                ("tilewise_sdpa_graphs", "bf16", tw(graphs=True, fp8=False, attention="sdpa"))]
     if args.compile_tilewise:
         variants.append(("tilewise_compiled", "bf16", tw(graphs=False, fp8=False, compiled=True)))
     if name in args.fp8:
@@ -204,7 +200,7 @@ def run_config(name: str, args) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             ms, loss = time_steps(step, batches, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001 - a comparison variant may fail; the run keeps the rest
-            if label not in ("tilewise_sdpa_graphs", "tilewise_graphs_kept_weights"):   # the comparisons
+            if label != "tilewise_sdpa_graphs":   # the comparison
                 raise
             print(f"  {name} {label}: failed ({type(e).__name__}: {str(e)[:200]}); no row", flush=True)
             release()

@@ -17,15 +17,18 @@ torch) the bf16 operands are widened exactly and multiplied in fp32.
 FP8 linears swap the module (tilewise.fp8.Fp8Linear), not this function, because they carry scaling
 state across steps.
 
-Kept low-precision weights (KEEP_LOW_WEIGHTS, TILEWISE_KEEP_LOW_WEIGHTS=1; off until timed in the e2e step):
-the forward's cast of each fp32 weight (the 1.3B bf16 step at c4f00fa: 170 copy kernels, 2.2 ms) is kept on
+Kept low-precision weights (KEEP_LOW_WEIGHTS; TILEWISE_KEEP_LOW_WEIGHTS=0 turns it off): the forward's cast
+of each fp32 weight (the 1.3B bf16 step at c4f00fa: 170 copy kernels, 2.2 ms) is kept on
 the weight (`low_weight`), and tilewise's AdamW, which reads every weight it updates anyway, writes the
 updated weight's cast into that copy in the same pass (2 bytes a parameter more written), so later forwards
 cast nothing. A copy is used only while it matches its weight: the weight's version counter and storage as
 stamped when the copy was last written, so any other change of the weight (load_state_dict, an in-place
 init, `.data =`) makes the next forward cast afresh. Copies are kept only for weights the AdamW kernel
 updates (`mark_refreshed`): not for FSDP's unsharded weights (their DTensor shards are stepped by torch),
-whose copies would hold the memory ZeRO-3 frees.
+whose copies would hold the memory ZeRO-3 frees. The e2e step on the H200 at 2219f4c (bench/e2e.py, graphs):
+1.3B 252.7 ms against 253.7 with fresh casts (memory-bound 25.7 against 27.6 ms, AdamW 11.1 against 10.5),
+GPT-2 124M 59.3 against 59.2; peak memory the same (48.7 and 13.6 GB: the casts live through the step
+anyway, saved for the backward).
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def fp32_out_mm_ok(device, dtype) -> bool:
     return _FP32_OUT_MM_OK[key]
 
 
-KEEP_LOW_WEIGHTS = os.environ.get("TILEWISE_KEEP_LOW_WEIGHTS", "0") == "1"
+KEEP_LOW_WEIGHTS = os.environ.get("TILEWISE_KEEP_LOW_WEIGHTS", "1") == "1"
 
 
 def _stamp(weight) -> tuple:
