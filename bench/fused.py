@@ -16,6 +16,9 @@
   warps, rows a tile, persistent or one program a tile, chunked), timed GPU-only, while time remains. With
   --sweep: every shape, both kinds, forward and backward, and a second round around each first round's
   best; it prints the best configs in the format of norm.py's _CONFIGS table, ready to paste.
+- --model-sweep, alone: the same sweep for the norms as the model runs them (an fp32 residual stream, bf16 x
+  and y, fp32 weight, bias and x_bias; LayerNorm) at the e2e shapes (32768 x 768, 16384 x 2048), two rounds;
+  it prints entries for norm.py's _FP32_STREAM_CONFIGS and writes fused_model_sweep.json, not fused.json.
 
 Forward+backward, the same for every implementation: a fresh forward, then one autograd.backward from the
 same upstream gradients of y AND h (the next block consumes h, so its gradient flows in too), into leaves
@@ -41,6 +44,7 @@ import time
 from common import RESULTS, allocator_counts, git_commit, write_result
 
 NORM_SHAPES = [(16384, 4096), (32768, 1024), (8192, 8192), (65536, 768)]
+MODEL_NORM_SHAPES = [(32768, 768), (16384, 2048)]      # the e2e steps' norms: GPT-2 124M and the 1.3B preset
 QUICK_NORM_SHAPES = NORM_SHAPES
 GELU_SHAPE = (16384, 3072)
 SWIGLU_SHAPE = (16384, 2 * 8192)
@@ -57,6 +61,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="a shorter light sweep (the same shapes)")
     ap.add_argument("--sweep", action="store_true",
                     help="the full config sweep: every shape, both kinds, both passes, two rounds")
+    ap.add_argument("--model-sweep", action="store_true",
+                    help="only the config sweep of the model's norms (fp32 residual stream, x_bias) at the e2e "
+                         "shapes; writes fused_model_sweep.json")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no config-sweep work after this many seconds of the run (default 500 with "
                          "--sweep, else 150, 100 with --quick)")
@@ -65,7 +72,7 @@ def parse_args(argv=None):
                          "host timer; writes nothing under bench/results")
     args = ap.parse_args(argv)
     if args.budget_s is None:
-        args.budget_s = 500.0 if args.sweep else 100.0 if args.quick else 150.0
+        args.budget_s = 500.0 if args.sweep or args.model_sweep else 100.0 if args.quick else 150.0
     return args
 
 
@@ -74,8 +81,9 @@ def main(argv=None):
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported
         os.environ["TILEWISE_OPS"] = "triton"       # the kernels on CPU tensors, not the references
-        global NORM_SHAPES, QUICK_NORM_SHAPES, GELU_SHAPE, SWIGLU_SHAPE
+        global NORM_SHAPES, QUICK_NORM_SHAPES, MODEL_NORM_SHAPES, GELU_SHAPE, SWIGLU_SHAPE
         NORM_SHAPES = QUICK_NORM_SHAPES = [(64, 96), (6, 20000)]
+        MODEL_NORM_SHAPES = [(16, 768)]
         GELU_SHAPE, SWIGLU_SHAPE = (64, 80), (64, 160)
     import torch
     if not args.smoke and not torch.cuda.is_available():
@@ -102,7 +110,8 @@ class Bench:
                 setattr(torch._dynamo.config, name, 64)
         self.liger = self._import_liger()
         command = "PYTHONPATH=src python3 bench/fused.py" + (" --quick" if args.quick else "") + \
-            (" --sweep" if args.sweep else "")
+            (" --sweep" if args.sweep else "") + (" --model-sweep" if args.model_sweep else "")
+        self.name = "fused_model_sweep.json" if args.model_sweep else "fused.json"
         self.results = {
             "area": "fused", "gpu": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(),
@@ -177,7 +186,7 @@ class Bench:
         return time.time() - self.t0
 
     def save(self):
-        write_result(self.results, "fused.json", [None if self.args.smoke else RESULTS, self.args.out], default=str)
+        write_result(self.results, self.name, [None if self.args.smoke else RESULTS, self.args.out], default=str)
 
     @staticmethod
     def rel(a, b):
@@ -480,8 +489,8 @@ class Bench:
     # ---------------------------------------------------------------------------------------- config sweep
 
     def candidates(self, cfg, rows, width, pass_):
-        """cfg's neighbours: pipeline stages, warps (elements a thread), rows a tile (at the same and at twice
-        the elements a thread), persistent in one or two waves or one program a tile, and the chunked kernels
+        """cfg's neighbours: pipeline stages, warps (elements a thread), rows a tile (at the same, twice and
+        half the elements a thread), persistent in one or two waves or one program a tile, and the chunked kernels
         for wide rows (or, when chunked, other chunk widths)."""
         C = self.norm.Config
         out = [cfg._replace(num_stages=s) for s in (2, 3, 4, 5)]
@@ -492,7 +501,8 @@ class Bench:
         else:
             out += [cfg._replace(block_m=cfg.block_m * 2, num_warps=cfg.num_warps * 2),
                     cfg._replace(block_m=cfg.block_m * 2),
-                    cfg._replace(block_m=cfg.block_m // 2, num_warps=cfg.num_warps // 2)]
+                    cfg._replace(block_m=cfg.block_m // 2, num_warps=cfg.num_warps // 2),
+                    cfg._replace(block_m=cfg.block_m // 2)]
             out += [cfg._replace(waves=w) for w in (0, 1, 2)]
             if width >= 4096:
                 out.append(C(1, 2048, 8, True, 3))
@@ -507,32 +517,41 @@ class Bench:
             return not (pass_ == "bwd" and c.waves == 0 and -(-rows // c.block_m) * width * 8 > (1 << 30))
         return [c for c in dict.fromkeys(out) if c != cfg and valid(c)]
 
-    def sweep(self, kind, rows, width, rounds):
+    def sweep(self, kind, rows, width, rounds, model=False):
         """Each pass's default config and its neighbours (and, with rounds=2, the best one's neighbours),
-        GPU-only times; every config must reproduce the default's result. False when out of time."""
+        GPU-only times; every config must reproduce the default's result. False when out of time. model: the
+        norm as the model runs it (fp32 residual stream and parameters, an fp32 x_bias, bf16 x and y)."""
         torch, norm = self.torch, self.norm
         is_rms = kind == "rmsnorm"
         g = torch.Generator(device=self.device).manual_seed(1)
-        mk = lambda *s: torch.randn(*s, device=self.device, generator=g).to(torch.bfloat16)    # noqa: E731
-        x, r, w, b = mk(rows, width), mk(rows, width), mk(width), (None if is_rms else mk(width))
-        bias_dtype = None if b is None else b.dtype
-        dy, dh = mk(rows, width), mk(rows, width)
-        y0, h, stats = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16)
-        bwd0 = norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16, torch.bfloat16, bias_dtype)
-        fwd_bytes = (4 * rows * width + width) * 2
-        bwd_bytes = 4 * rows * width * 2        # read dy, dh, h; write dx (shared with dresidual)
+        wide = torch.float32 if model else torch.bfloat16       # the residual stream's and parameters' dtype
+        mk = lambda *s, t=torch.bfloat16: torch.randn(*s, device=self.device, generator=g).to(t)    # noqa: E731
+        x, r, w = mk(rows, width), mk(rows, width, t=wide), mk(width, t=wide)
+        b = None if is_rms else mk(width, t=wide)
+        xb = mk(width, t=wide) if model else None
+        bias_dtype, xb_dtype = (None if b is None else b.dtype), (None if xb is None else xb.dtype)
+        dy, dh = mk(rows, width), mk(rows, width, t=wide)
+        y0, h, stats = norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, wide, x_bias=xb)
+        bwd0 = norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16, wide, bias_dtype,
+                              xb_dtype=xb_dtype)
+        n = rows * width
+        if model:       # fwd: x (2), r (4) in; y (2), h (4) out. bwd: dy (2), dh (4), h (4) in; dx (2), dr (4)
+            fwd_bytes, bwd_bytes = 12 * n, 16 * n
+        else:
+            fwd_bytes = (4 * n + width) * 2
+            bwd_bytes = 4 * n * 2        # read dy, dh, h; write dx (shared with dresidual)
         passes = (
-            ("fwd", norm.forward_config(width, is_rms), fwd_bytes, (y0, h),
-             lambda c: norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, torch.bfloat16, c)[:2]),
-            ("bwd", norm.backward_config(width, is_rms), bwd_bytes, (bwd0[0], bwd0[2]),
+            ("fwd", norm.forward_config(width, is_rms, model), fwd_bytes, (y0, h),
+             lambda c: norm._forward(x, r, w, b, is_rms, EPS, 0.0, 0, wide, c, x_bias=xb)[:2]),
+            ("bwd", norm.backward_config(width, is_rms, model), bwd_bytes, (bwd0[0], bwd0[2]),
              lambda c: (lambda o: (o[0], o[2]))(norm._backward(dy, dh, h, w, stats, is_rms, 0.0, 0, torch.bfloat16,
-                                                                torch.bfloat16, bias_dtype, c))))
+                                                                wide, bias_dtype, cfg=c, xb_dtype=xb_dtype))))
         for pass_, default, nbytes, ref, fn in passes:
             measured = {}
 
             def measure(cfg, default=default, nbytes=nbytes, ref=ref, fn=fn, pass_=pass_):
                 entry = {"kind": kind, "rows": rows, "width": width, "pass": pass_, "config": list(cfg),
-                         "default": cfg == default}
+                         "default": cfg == default, "stream": "fp32" if model else "bf16"}
                 try:
                     err = max(self.rel(a, e) for a, e in zip(fn(cfg), ref))    # the default's result
                     if err > 1e-2:
@@ -591,7 +610,9 @@ class Bench:
         print()
         print("sweep: best configs per width, in norm.py's table format (paste into _CONFIGS / _RMS_CONFIGS):")
         widths = sorted({w for _, w, _ in best})
-        for kind, table in (("layernorm", "_CONFIGS"), ("rmsnorm", "_RMS_CONFIGS")):
+        tables = [("layernorm", "_FP32_STREAM_CONFIGS")] if self.args.model_sweep else \
+            [("layernorm", "_CONFIGS"), ("rmsnorm", "_RMS_CONFIGS")]
+        for kind, table in tables:
             print(f"  {table}:")
             for width in widths:
                 pair = [best.get((kind, width, p)) for p in ("fwd", "bwd")]
@@ -630,6 +651,13 @@ class Bench:
 
     def run(self):
         self.copy_bandwidth()
+        if self.args.model_sweep:
+            done = all(self.sweep("layernorm", rows, width, 2, model=True) for rows, width in MODEL_NORM_SHAPES)
+            self.results["sweep_complete"] = done
+            self.results["wall_s"] = self.elapsed()
+            self.save()
+            self.print_config_table()
+            return
         shapes = QUICK_NORM_SHAPES if self.args.quick else NORM_SHAPES
         for kind in ("layernorm", "rmsnorm"):
             for rows, width in shapes:

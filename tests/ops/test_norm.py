@@ -314,21 +314,24 @@ def build(fn, ptrs, constexprs, cfg):
     return {"spills": sass.count("LDL") + sass.count("STL"), "sass": len(sass), "max_wait": max(waits or [0])}
 
 out = []
-# every width with and without the norm's bias; GPT-2's widths (768, 2048) also as GPT-2 runs them, with the
-# previous linear's bias as an fp32 x_bias (at 8192 that backward spills 4: not a model's width here)
+# every width with and without the norm's bias, bf16 throughout; and GPT-2's norms (768, 2048) as the model runs
+# them: fp32 parameters and residual stream, bf16 x and y, the previous linear's bias as an fp32 x_bias
 cases = [(w, rms, False) for w in (768, 4096, 8192) for rms in (False, True)]
 cases += [(768, False, True), (2048, False, True)]
-for width, is_rms, has_xb in cases:
+for width, is_rms, model in cases:
     cfg = norm.forward_config(width, is_rms)
-    ptrs = dict.fromkeys(["X", "R", "W", "B", "Y", "H"], "*bf16") | {"Stats": "*fp32", "XB": "*fp32"}
-    cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, HAS_XB=has_xb, IS_RMS=is_rms, HAS_DROP=False,
+    wide = "*fp32" if model else "*bf16"
+    ptrs = dict.fromkeys(["X", "Y"], "*bf16") | dict.fromkeys(["R", "W", "B", "H"], wide)
+    ptrs |= {"Stats": "*fp32", "XB": "*fp32"}
+    cx = dict(HAS_RES=True, HAS_BIAS=not is_rms, HAS_XB=model, IS_RMS=is_rms, HAS_DROP=False,
               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
     out.append(["fwd", width, is_rms, build(norm._fwd_kernel, ptrs, cx, cfg)])
     cfg = norm.backward_config(width, is_rms)
-    ptrs = dict.fromkeys(["DY", "DHIN", "H", "W", "DX", "DR"], "*bf16")
+    ptrs = dict.fromkeys(["DY", "DX"], "*bf16") | dict.fromkeys(["DHIN", "H", "W", "DR"], wide)
     ptrs |= dict.fromkeys(["Stats", "C", "Part"], "*fp32")
-    cx = dict(HAS_DHIN=True, HAS_DR=False, HAS_BIAS=not is_rms, HAS_XB=has_xb, IS_RMS=is_rms, HAS_DROP=False,
-              SPLIT=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    cx = dict(HAS_DHIN=True, HAS_DR=model, HAS_BIAS=not is_rms, HAS_XB=model, IS_RMS=is_rms, HAS_DROP=False,
+              SPLIT=False, SUM_EACH_TILE=cfg.block_n >= norm._SUM_EACH_TILE_FROM, BLOCK_M=cfg.block_m,
+              BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
     out.append(["bwd", width, is_rms, build(norm._bwd_kernel, ptrs, cx, cfg)])
 print(json.dumps(out))
 """

@@ -115,10 +115,12 @@ def _fwd_kernel(X, R, W, B, XB, Y, H, Stats, M, N, stride_x, stride_r, eps, seed
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
-    xb = w
-    if HAS_XB:
-        xb = tl.load(XB + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        # x_bias read each tile (from L1) rather than held across the loop: held, the 2048-wide forward with
+        # an fp32 residual stream spilled at its 64 registers
+        xb = w
+        if HAS_XB:
+            xb = tl.load(XB + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -251,14 +253,25 @@ def _load_tile_grads(DY, DHIN, H, Mean, Rstd, C1, C2, rows, row_ok, cols, col_ok
     return dy, dhin, h, mean, rstd, c1, c2
 
 
+@triton.jit
+def _tile_sums(x, SUM_EACH_TILE: tl.constexpr):
+    """What a backward accumulator adds of a tile: x, or with SUM_EACH_TILE its column sums (1, BLOCK_N)."""
+    if SUM_EACH_TILE:
+        x = tl.sum(x, axis=0, keep_dims=True)
+    return x
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr, scale,
                 HAS_DHIN: tl.constexpr, HAS_DR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_XB: tl.constexpr,
-                IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+                IS_RMS: tl.constexpr, HAS_DROP: tl.constexpr, SPLIT: tl.constexpr, SUM_EACH_TILE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Row tiles pid, pid + programs, ...; columns [pid1 * BLOCK_N, +BLOCK_N) (the whole row unless SPLIT,
     where the row sums come precomputed in C: C1 then C2). Part: the programs' dweight partial rows, then
-    their dbias rows (HAS_BIAS), then their dx column sums, the x_bias gradient (HAS_XB)."""
+    their dbias rows (HAS_BIAS), then their dx column sums, the x_bias gradient (HAS_XB). SUM_EACH_TILE: the
+    accumulators are column sums, folded each tile (for tiles wide enough that a thread holds every row of its
+    columns, so the fold is in registers), instead of whole tiles summed at the end: 768-wide rows with an
+    fp32 residual stream and an x_bias spilled 18 registers with whole-tile accumulators, none folded."""
     pid = tl.program_id(0)
     Mean = Stats
     Rstd = Stats
@@ -270,9 +283,10 @@ def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr
     cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
-    dw = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    db = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    dxb = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ACC_ROWS: tl.constexpr = 1 if SUM_EACH_TILE else BLOCK_M
+    dw = tl.zeros([ACC_ROWS, BLOCK_N], tl.float32)
+    db = tl.zeros([ACC_ROWS, BLOCK_N], tl.float32)
+    dxb = tl.zeros([ACC_ROWS, BLOCK_N], tl.float32)
     for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -284,9 +298,9 @@ def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr
             hhat = h.to(tl.float32) * rstd[:, None]
         else:
             hhat = tl.where(mask, (h.to(tl.float32) - mean[:, None]) * rstd[:, None], 0.0)
-        dw += dy * hhat
+        dw += _tile_sums(dy * hhat, SUM_EACH_TILE)
         if HAS_BIAS:
-            db += dy
+            db += _tile_sums(dy, SUM_EACH_TILE)
         g = dy * w
         if SPLIT:
             dh = g - hhat * c1[:, None]
@@ -308,7 +322,7 @@ def _bwd_kernel(DY, DHIN, H, W, Stats, C, DX, DR, Part, M, N, n_tiles, seed, thr
         dx = dh.to(DX.dtype.element_ty)
         tl.store(DX + offs, dx, mask=mask)
         if HAS_XB:
-            dxb += dx.to(tl.float32)    # the stored dx (rows past M are 0: dy, dh_in load as 0 there)
+            dxb += _tile_sums(dx.to(tl.float32), SUM_EACH_TILE)    # the stored dx (0 in rows past M)
     part = pid.to(tl.int64) * N + cols
     section = tl.num_programs(0).to(tl.int64) * N
     tl.store(Part + part, tl.sum(dw, axis=0), mask=col_ok)
@@ -406,13 +420,22 @@ _RMS_CONFIGS = {                # RMSNorm's entries where they differ from _CONF
     4096:   (Config(1, 2048, 8, True, 3, 1),   Config(1, 4096, 16)),
     8192:   (Config(1, 2048, 8, True, 3, 1),   Config(1, 8192, 32, num_stages=3)),
 }
+# The model's norms keep the residual stream h in fp32 (the fp32 embeddings start it) with bf16 x and y, fp32
+# weight, bias and x_bias: 12 bytes an element forward, 16 backward (dresidual apart from dx), so the
+# bf16-tuned entries above are not theirs. Entries for the widths the presets use, from
+# `bench/fused.py --model-sweep` on the H200 (both norm kinds share them):
+_FP32_STREAM_CONFIGS: dict = {}
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
+_SUM_EACH_TILE_FROM = 1024      # tiles this wide fold the backward's column sums each tile (see _bwd_kernel)
 
 
-def _table_config(width: int, is_rms: bool, which: int) -> Config:
-    """The entry for this exact width, else for its power of two; RMSNorm's own table first."""
+def _table_config(width: int, is_rms: bool, which: int, fp32_stream: bool = False) -> Config:
+    """The entry for this exact width, else for its power of two; an fp32 residual stream's table first
+    (exact widths only), then RMSNorm's own."""
     if width > _MAX_ROW:
         return _CHUNKED
+    if fp32_stream and width in _FP32_STREAM_CONFIGS:
+        return _FP32_STREAM_CONFIGS[width][which]
     block_n = max(16, triton.next_power_of_2(width))
     for table in (_RMS_CONFIGS, _CONFIGS) if is_rms else (_CONFIGS,):
         entry = table.get(width) or table.get(block_n)
@@ -421,12 +444,12 @@ def _table_config(width: int, is_rms: bool, which: int) -> Config:
     raise AssertionError(f"no launch config for width {width}")
 
 
-def forward_config(width: int, is_rms: bool = False) -> Config:
-    return _table_config(width, is_rms, 0)
+def forward_config(width: int, is_rms: bool = False, fp32_stream: bool = False) -> Config:
+    return _table_config(width, is_rms, 0, fp32_stream)
 
 
-def backward_config(width: int, is_rms: bool = False) -> Config:
-    return _table_config(width, is_rms, 1)
+def backward_config(width: int, is_rms: bool = False, fp32_stream: bool = False) -> Config:
+    return _table_config(width, is_rms, 1, fp32_stream)
 
 
 _DEVICE: dict = {}
@@ -603,7 +626,7 @@ def _forward(x, residual, weight, bias, is_rms, eps, p, seed, h_dtype, cfg: Opti
            weight.dtype, b.dtype, xb.dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
-        cfg = cfg or forward_config(N, is_rms)
+        cfg = cfg or forward_config(N, is_rms, h_dtype == torch.float32)
         flags = dict(HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_XB=x_bias is not None,
                      IS_RMS=is_rms, HAS_DROP=p > 0.0)
         launcher = _fwd_chunked_launch if cfg.chunked else _fwd_launch
@@ -712,10 +735,11 @@ def _backward(dy, dh, h, weight, stats, is_rms, p, seed, x_dtype, res_dtype, bia
            x_dtype, res_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
-        cfg = cfg or backward_config(N, is_rms)
+        cfg = cfg or backward_config(N, is_rms, h.dtype == torch.float32)
         n_col = _cdiv(N, cfg.block_n) if cfg.chunked else 1
         flags = dict(HAS_DHIN=dh is not None, HAS_DR=separate, HAS_BIAS=bias_dtype is not None,
-                     HAS_XB=xb_dtype is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0, SPLIT=cfg.chunked)
+                     HAS_XB=xb_dtype is not None, IS_RMS=is_rms, HAS_DROP=p > 0.0, SPLIT=cfg.chunked,
+                     SUM_EACH_TILE=cfg.block_n >= _SUM_EACH_TILE_FROM)
         # the program count (from the compiled kernel) sizes the partial sums: their dtype stands in until then
         args = (dy, dy if dh is None else dh, h, weight, stats, stats, dx, dx if dr is None else dr, torch.float32,
                 M, N, _cdiv(M, cfg.block_m), seed, *_dropout_params(p))
