@@ -423,8 +423,15 @@ _RMS_CONFIGS = {                # RMSNorm's entries where they differ from _CONF
 # The model's norms keep the residual stream h in fp32 (the fp32 embeddings start it) with bf16 x and y, fp32
 # weight, bias and x_bias: 12 bytes an element forward, 16 backward (dresidual apart from dx), so the
 # bf16-tuned entries above are not theirs. Entries for the widths the presets use, from
-# `bench/fused.py --model-sweep` on the H200 (both norm kinds share them):
-_FP32_STREAM_CONFIGS: dict = {}
+# `bench/fused.py --model-sweep` on the H200 at 3b0735f (both norm kinds share them). The backward at 768
+# spills under Triton 3.9's compiler (3.6, the H200's, keeps it in registers).
+#   width: (forward,                            backward)
+_FP32_STREAM_CONFIGS = {
+    # fwd 3745 GB/s (the bf16 table's entry, within 2% of the best); bwd 4007 GB/s, 1.15x that entry's
+    768: (Config(2, 1024, 4, False, 2, 1), Config(4, 1024, 4, False, 4, 1)),
+    # fwd 3800 GB/s, 1.08x the bf16 entry's; bwd 3631 GB/s, 1.03x
+    2048: (Config(2, 2048, 16, False, 4, 1), Config(1, 2048, 4, False, 4, 1)),
+}
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
 _SUM_EACH_TILE_FROM = 1024      # tiles this wide fold the backward's column sums each tile (see _bwd_kernel)
 
