@@ -93,6 +93,26 @@ def main(argv=None):
     return 0
 
 
+def sweep_rows(entries: list) -> list:
+    """A table row per (kind, shape, pass) of a sweep: the default config's GB/s and the fastest config's."""
+    rows = {}
+    for e in entries:
+        if "ms" not in e:
+            continue
+        key = (e["kind"], e["rows"], e["width"], e["pass"])
+        row = rows.setdefault(key, {"op": f"add_{e['kind']}", "pass": e["pass"],
+                                    "shape": {"rows": e["rows"], "width": e["width"], "stream": e.get("stream")},
+                                    "unit": "GB/s", "default_config": None, "default": None, "best_config": None,
+                                    "best": 0.0})
+        if e["default"]:
+            row["default_config"], row["default"] = e["config"], e["GBps"]
+        if e["GBps"] > row["best"]:
+            row["best_config"], row["best"] = e["config"], e["GBps"]
+    for row in rows.values():
+        row["best_x_default"] = row["best"] / row["default"] if row["default"] else None
+    return list(rows.values())
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -652,7 +672,9 @@ class Bench:
     def run(self):
         self.copy_bandwidth()
         if self.args.model_sweep:
+            self.results["area"] = "fused_model_sweep"
             done = all(self.sweep("layernorm", rows, width, 2, model=True) for rows, width in MODEL_NORM_SHAPES)
+            self.results["rows"] = sweep_rows(self.results["sweep"])
             self.results["sweep_complete"] = done
             self.results["wall_s"] = self.elapsed()
             self.save()
