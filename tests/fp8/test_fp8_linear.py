@@ -17,6 +17,7 @@ import torch
 
 from tilewise import ops
 from tilewise.fp8 import E4M3, Fp8Linear, Fp8Recipe
+from tilewise.fp8 import linear as fp8_linear
 from tilewise.ops.fp8_cast import fallbacks as fp8_cast_fallbacks
 
 MODES = ["reference", "triton"]  # triton: the interpreter on CPU
@@ -485,6 +486,7 @@ def test_host_ops_per_call(monkeypatch, scaling, most):
     noop = lambda *a, **k: None
     monkeypatch.setattr(fp8_cast, "_cast_plan", lambda *a, **k: noop)
     monkeypatch.setattr(fp8_cast, "_amax_interpreted", noop)
+    monkeypatch.setattr(fp8_linear, "CPU_SCALED_MM", True)     # one GEMM op, as on the GPU
     _, f = make(64, 32, False, scaling, dtype=torch.bfloat16)
     x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(48, 32, dtype=torch.bfloat16)

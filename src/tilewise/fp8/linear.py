@@ -107,12 +107,18 @@ def _widen(y, out_dtype, bias):
 # the default while the FP8 NaNs of the H200 were unexplained; their cause was the casts' transposes (a920bf1),
 # and the gpu tests check _scaled_mm's fp32 output on NaN-poisoned memory.
 WIDEN_FP32_RESULTS = False
+CPU_SCALED_MM = False   # see _gemm_per_tensor
 
 
 def _gemm_per_tensor(a, b, a_inv, b_inv, out_dtype, bias=None, fast_accum=False):
     """An fp32 result (the weight gradient of fp32 master weights, dx of an fp32 input) is the GEMM's own
     fp32 output, or with WIDEN_FP32_RESULTS a bf16 one widened (2^-9 relative error per element, far below
-    the FP8 operands' ~2^-4)."""
+    the FP8 operands' ~2^-4). On the CPU the same product of the dequantized operands in fp32: torch's CPU
+    _scaled_mm (2.13) took 0.3 s for a 256 x 512 x 128 product, which stalled the CPU runs (CPU_SCALED_MM:
+    torch's op there too, as the GPU runs it, for tests that count a call's ops)."""
+    if not a.is_cuda and not CPU_SCALED_MM:
+        y = (a.float() @ b.float()) * (a_inv.float() * b_inv.float())
+        return _widen(y.to(out_dtype), out_dtype, bias)
     if out_dtype == torch.float32 and WIDEN_FP32_RESULTS:
         y = torch._scaled_mm(a, b, scale_a=_aligned(a_inv), scale_b=_aligned(b_inv), out_dtype=torch.bfloat16,
                              use_fast_accum=fast_accum)
