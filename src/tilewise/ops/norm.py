@@ -429,8 +429,9 @@ _RMS_CONFIGS = {                # RMSNorm's entries where they differ from _CONF
 _FP32_STREAM_CONFIGS = {
     # fwd 3745 GB/s (the bf16 table's entry, within 2% of the best); bwd 4007 GB/s, 1.15x that entry's
     768: (Config(2, 1024, 4, False, 2, 1), Config(4, 1024, 4, False, 4, 1)),
-    # fwd 3800 GB/s, 1.08x the bf16 entry's; bwd 3631 GB/s, 1.03x
-    2048: (Config(2, 2048, 16, False, 4, 1), Config(1, 2048, 4, False, 4, 1)),
+    # fwd: the bf16 entry (the sweep's best, 2 rows of 16 warps at 3800 GB/s, 1.08x alone, took the 1.3B
+    # step's 49 forwards from 5.44 to 5.77 ms at 895a925, on a GPU some 3% slower that run); bwd 3631 GB/s, 1.03x
+    2048: (Config(1, 2048, 8), Config(1, 2048, 4, False, 4, 1)),
 }
 _CHUNKED = Config(1, 2048, 8, chunked=True, num_stages=3)       # rows wider than _MAX_ROW, both passes
 _SUM_EACH_TILE_FROM = 1024      # tiles this wide fold the backward's column sums each tile (see _bwd_kernel)
