@@ -1,4 +1,4 @@
-"""Residual add + dropout + LayerNorm/RMSNorm: h = residual + dropout(x), y = norm(h) * weight (+ bias).
+"""Residual add + dropout + LayerNorm/RMSNorm: h = residual + dropout(x [+ x_bias]), y = norm(h) * weight (+ bias).
 
 Forward, one pass over rows. A tile is BLOCK_M whole rows (several when rows are narrow); the program forms
 h in fp32, rounds it to the residual dtype and stores it, takes the fp32 mean and rstd of that stored h,
@@ -12,7 +12,9 @@ Backward, one pass over rows: with hhat = (h - mean) * rstd and g = dy * weight,
     dresidual = dh,  dx = keep * dh / (1 - p),
 dh_in being the gradient arriving at h, which the next block consumes. Each program sums dy * hhat and dy
 per column in registers over its row tiles and writes one fp32 row of partial sums; one small kernel sums
-those rows into dweight and dbias in the parameters' dtypes, with no atomics. Bytes: read dy, dh_in, h;
+those rows into dweight and dbias in the parameters' dtypes, with no atomics. With an x_bias (the bias of
+the linear layer that made x, added here instead of in its GEMM) the programs also sum dx per column, a third
+section of partial rows: dx_bias comes out of the pass that writes dx. Bytes: read dy, dh_in, h;
 write dx (which is also dresidual when there is no dropout and the dtypes agree). Rows wider than
 _MAX_ROW: a per-row kernel takes mean(g) and mean(g * hhat) first, then the columns are split across
 programs.
@@ -392,7 +394,7 @@ class Config(NamedTuple):
 # programs an SM, 8192-wide rows one of 32 warps; with two or three tiles in flight a program, that is
 # 60-200 KB of loads in flight an SM. The 8192-wide backward takes 3 stages (4 spill a register or two with
 # fp32 weights); with an x_bias (its fp32 column sums a third accumulator) 3 stages spill too (4 local
-# loads/stores), the 768- and 2048-wide ones do not.
+# loads/stores; bf16 tensors, Triton 3.6).
 #   width: (forward,                 backward)
 _CONFIGS = {
     16:     (Config(64, 16, 4),      Config(64, 16, 4)),
