@@ -683,14 +683,21 @@ def partial_rows(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _sum_outputs(dw, db, dxb) -> tuple:
+    """_sum_partials_kernel's three outputs: the column sums present (dw, then db, then dxb) in their sections'
+    order, the unused places filled with dw."""
+    if db is None:
+        return (dw, dw, dw) if dxb is None else (dw, dxb, dw)
+    return (dw, db, dw if dxb is None else dxb)
+
+
 def sum_partials(part, rows: int, dw, db=None, dxb=None):
     """dw (and db, dxb) = the column sums of the fp32 partial rows in part: (rows, N) for dw, then as many
     for each of the others present, contiguous from part's first element; each written in its own dtype by
     one small kernel."""
     N = dw.shape[0]
-    outs = [t for t in (dw, db, dxb) if t is not None]
-    outs += [dw] * (3 - len(outs))
-    _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 + (db is not None) + (dxb is not None)), part, *outs, rows, N)
+    _sum_partials((_cdiv(N, _SUM_COLUMNS), 1 + (db is not None) + (dxb is not None)), part, *_sum_outputs(dw, db, dxb),
+                  rows, N)
 
 
 def _backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr, xb_dtype=None):
@@ -780,9 +787,8 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
     """The backward of one call signature (see _CALLS): new gradients, the row kernel's and the partial
     sums' direct launches (keyed on the first call's args and dw, dr, db, dxb)."""
     dx, part, programs, N = args[6], args[8], grid[0], args[10]
-    sums_outs = [t for t in (dw, db, dxb) if t is not None]
-    sections = len(sums_outs)
-    sums_args = (part, *sums_outs, *[dw] * (3 - sections), programs, N)
+    sections = 1 + (db is not None) + (dxb is not None)
+    sums_args = (part, *_sum_outputs(dw, db, dxb), programs, N)
     launch = plan.launch.planned(args)
     sums = _sum_partials.planned(sums_args) if launch else launch
     if not sums:
@@ -804,8 +810,7 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
         dw = dw_like.new_empty((N,))
         db = db_like.new_empty((N,)) if db_like is not None else None
         dxb = dxb_like.new_empty((N,)) if dxb_like is not None else None
-        outs = [t for t in (dw, db, dxb) if t is not None]
-        sums(sums_grid, part, *outs, *[dw] * (3 - sections), programs, N)
+        sums(sums_grid, part, *_sum_outputs(dw, db, dxb), programs, N)
         return dx, dr, dw, db, dxb
     return backward
 
