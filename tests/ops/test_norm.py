@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tilewise import ops
-from tilewise.ops import launch, norm
+from tilewise.ops import launch, native, norm
 from tilewise.ops.norm import Config, add_dropout_norm, add_dropout_norm_reference, keep_mask
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -793,7 +793,8 @@ def test_gpu_fast_launch_matches_normal_launch_bitwise(shape, kind, device):
 @pytest.mark.parametrize("kind", norm.NORM_KINDS)
 def test_gpu_call_plans_match_normal_launches_bitwise(kind, device):
     """Without dropout a signature's third call runs through its call plans (direct launches of the forward,
-    the backward and the sums, no normal launch) and gives bit for bit what Triton's own launches give."""
+    the backward and the sums, no normal launch) and gives bit for bit what Triton's own launches give.
+    (The Python node's plans: the C++ node's are test_gpu_native_node_matches_the_python_node_bitwise's.)"""
     x, r, w, b = make(8192, 1024, torch.bfloat16, device=device, seed=3, bias=kind == "layernorm")
     g = torch.Generator(device=device).manual_seed(4)
     grads = [torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16) for _ in range(2)]
@@ -802,12 +803,59 @@ def test_gpu_call_plans_match_normal_launches_bitwise(kind, device):
     fwd_bwd(x, r, w, b, kind, grads=grads)
     fast = sum(lc.fast_launches for lc in norm_launchers())
     normal = sum(lc.normal_launches for lc in norm_launchers())
-    got = fwd_bwd(x, r, w, b, kind, grads=grads)
+    with native.python_nodes():
+        got = fwd_bwd(x, r, w, b, kind, grads=grads)
     assert sum(lc.normal_launches for lc in norm_launchers()) == normal
     assert sum(lc.fast_launches for lc in norm_launchers()) == fast + 3
     assert sum(1 for sig, call in norm._CALLS.items() if call and sig[1][-1] == 1024) >= 2
     for i, (a, e) in enumerate(zip(got, expected)):
         assert torch.equal(a, e), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "model's: fp32 stream, x_bias", "no dh", "no residual"])
+@pytest.mark.parametrize("thread", ["worker", "calling"])
+def test_gpu_native_node_matches_the_python_node_bitwise(case, thread, device, monkeypatch):
+    """From a prepared signature's second call on, its forward runs in the C++ node (norm_node.cpp); the
+    backward too once its first C++-node call has handed it the gradients' layout. Such a call launches
+    nothing through FastLauncher, its grad_fn is the C++ node, and its outputs and gradients are bit for
+    bit the Python node's, with the backward on autograd's worker thread or on the calling thread."""
+    if native.norm_extension() is None:
+        pytest.skip("the C++ norm node did not build")
+    monkeypatch.setattr(norm, "_CALLS", {})
+    monkeypatch.setattr(norm, "_PREPARED", {})
+    kind = "rmsnorm" if case == "rmsnorm" else "layernorm"
+    model = case.startswith("model")
+    x, r, w, b = make(4096, 768, torch.bfloat16, device=device, seed=21, residual=case != "no residual",
+                      res_dtype=torch.float32 if model else None, bias=case != "rmsnorm")
+    if model:
+        w, b = w.float(), b.float()
+    xb = _x_bias(768, torch.float32).to(device) if model else None
+    g = torch.Generator(device=device).manual_seed(22)
+    dy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
+    dh = None if case == "no dh" else torch.randn(x.shape, device=device, generator=g).to(
+        torch.float32 if model else torch.bfloat16)
+
+    def run():
+        leaves = [leaf(t) for t in (x, r, w, b, xb)]
+        y, h = add_dropout_norm(*leaves[:4], x_bias=leaves[4], kind=kind,
+                                residual_dtype=torch.float32 if model else None)
+        with torch.autograd.set_multithreading_enabled(thread == "worker"):
+            torch.autograd.backward([y, h] if dh is not None else [y], [dy, dh] if dh is not None else [dy])
+        return type(y.grad_fn).__name__, [y.detach(), h.detach()] + [t.grad for t in leaves if t is not None]
+
+    with native.python_nodes():
+        node, expected = run()
+        run()
+    assert "NormNode" not in node
+    for call in range(3):
+        fast = sum(lc.fast_launches for lc in norm_launchers())
+        node, got = run()
+        assert "NormNode" in node, node
+        # the C++ node's first call hands its backward to the Python path, which launches two kernels
+        assert sum(lc.fast_launches for lc in norm_launchers()) == fast + (2 if call == 0 else 0), call
+        for i, (a, e) in enumerate(zip(got, expected)):
+            assert a.dtype == e.dtype and torch.equal(a, e), (call, i)
 
 
 @pytest.mark.gpu

@@ -72,6 +72,12 @@ def fast_launch_enabled() -> bool:
     return _ENABLED[0]
 
 
+def direct_launches_allowed() -> bool:
+    """No switch or hook asks for Triton's own launch: what a launch made outside this module (ops/native.py's)
+    checks per call."""
+    return _ENABLED[0] and _knobs is not None and not _hooks_installed()
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division on the host: triton.cdiv is a constexpr_function, microseconds of Python a call."""
     return -(-a // b)
@@ -330,6 +336,20 @@ class BoundLauncher:
             return None
         return self.direct(args) or False
 
+    def entry(self, args: tuple):
+        """The entry (compiled kernel, constexpr tail) that `args`, launched once, keyed to; None where there is
+        none or the direct launch does not cover such calls."""
+        fl = self.launcher
+        if not (fl.fast and _ENABLED[0]) or self.meta_key is None:
+            return None
+        if _get_device is None:
+            _bind_driver()
+        try:
+            entry = fl._entries.get((_get_device(), _knob_state(), self.meta_key, _arg_classes(args)))
+        except _Unkeyable:
+            return None
+        return None if entry is None or entry is _NORMAL else entry
+
     def direct(self, args: tuple):
         """`launch(grid, *args)` for the compiled kernel that `args` (already launched once) keyed to, without
         keying each call; None when there is no such kernel or the direct launch does not cover the call.
@@ -338,17 +358,10 @@ class BoundLauncher:
         and hooks and the kernel's globals are still checked on every call; a call that fails a check takes
         the keyed path."""
         fl = self.launcher
-        if not (fl.fast and _ENABLED[0]) or self.meta_key is None:
+        entry = self.entry(args)
+        if entry is None:
             return None
-        if _get_device is None:
-            _bind_driver()
         device, knobs = _get_device(), _knob_state()
-        try:
-            entry = fl._entries.get((device, knobs, self.meta_key, _arg_classes(args)))
-        except _Unkeyable:
-            return None
-        if entry is None or entry is _NORMAL:
-            return None
         c_launch, function, metadata, tail = entry.c_launch, entry.function, entry.packed_metadata, entry.tail
         coop, pdl, run = entry.coop, entry.pdl, entry.run
 

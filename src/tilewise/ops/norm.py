@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv, current_stream
+from . import native
+from .launch import BoundLauncher, FastLauncher, cdiv as _cdiv, current_stream, direct_launches_allowed
 
 NORM_KINDS = ("layernorm", "rmsnorm")
 _MAX_ROW = 8192         # widest row the row-tile kernels hold in registers (forward and backward)
@@ -589,6 +590,14 @@ def _like(dtype, device) -> Optional[torch.Tensor]:
     return t
 
 
+class _NativeSpec(NamedTuple):
+    """A call plan's launches as norm_node.cpp takes them (see _native_plan): (entry, grid, args) per launch,
+    and the first call's tensors in the node's slot order (None where absent), which every tensor argument
+    is one of."""
+    launches: tuple
+    slots: tuple
+
+
 def _forward_call(plan: _Plan, grid, args, h_dtype):
     """The forward of one call signature (see _CALLS): new outputs and one direct launch with the keyed
     launch's arguments but the tensors."""
@@ -606,6 +615,7 @@ def _forward_call(plan: _Plan, grid, args, h_dtype):
         launch(grid, x, x if residual is None else residual, weight, weight if bias is None else bias,
                weight if x_bias is None else x_bias, y, h, stats, *scalars)
         return y, h, stats
+    forward.native_spec = _NativeSpec(((plan.launch.entry(args), grid, args),), args[:8])
     return forward
 
 
@@ -801,7 +811,7 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
 
     def backward(dy, dh, h, weight, stats):
         # the row kernel first, dweight's allocations while it runs: under a host-bound caller the GPU
-        # idles from the forward's end to this launch
+        # idles from the forward's end to this launch (norm_node.cpp keeps this order)
         dx = dx_like.new_empty(shape)
         dr = dr_like.new_empty(shape) if dr_like is not None else None
         part = partial_rows(device, n_part)
@@ -812,6 +822,10 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
         dxb = dxb_like.new_empty((N,)) if dxb_like is not None else None
         sums(sums_grid, part, *_sum_outputs(dw, db, dxb), programs, N)
         return dx, dr, dw, db, dxb
+    # norm_node.cpp's backward slots: dy, dh, h, weight, stats, dx, dr, part, dw, db, dx_bias
+    backward.native_spec = _NativeSpec(((plan.launch.entry(args), grid, args),
+                                        (_sum_partials.entry(sums_args), sums_grid, sums_args)),
+                                       (*args[:5], dx, args[7], part, dw, db, dxb))
     return backward
 
 
@@ -946,6 +960,7 @@ class _Prepared(NamedTuple):
     forward: object         # the forward's call plan
     backward: dict          # the backward's call plans by the gradients' layout (see _grad_layout)
     meta: tuple             # AddDropoutNorm's ctx.meta
+    native: object = None   # the call's norm_node.cpp plan (see _native_plan), used instead where allowed
 
 
 def _param_signature(t):
@@ -1011,7 +1026,67 @@ def _prepare(sig, x, residual, weight, bias, x_bias, is_rms, eps, h_dtype):
         return
     call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype, x_bias))
     if call:
-        _PREPARED[sig] = _Prepared(call, {}, _meta(x, residual, bias, x_bias, is_rms, 0.0, 0))
+        meta = _meta(x, residual, bias, x_bias, is_rms, 0.0, 0)
+        _PREPARED[sig] = _Prepared(call, {}, meta, _native_plan(call, meta, x, residual, bias, x_bias))
+
+
+# The C++ node (norm_node.cpp through ops/native.py): a prepared call's forward and, for the gradient layouts
+# it has seen, its backward, with no Python on autograd's worker thread. A plan starts with the forward's
+# launch; its Python fallback (the general backward) hands it the backward's launches for each gradient
+# layout once that layout has a call plan, so from the third call on a call runs in C++ end to end.
+
+def _native_plan(call, meta, x, residual, bias, x_bias):
+    """A norm_node.cpp plan for a prepared call, or None (not CUDA, the extension unavailable, or a launch
+    it does not cover)."""
+    spec = getattr(call, "native_spec", None)
+    if x.device.type != "cuda" or spec is None:
+        return None
+    (entry, grid, args), = spec.launches
+    address = native.launch_address()
+    forward = None if entry is None or not address else native.launch_spec(entry, grid, args, spec.slots)
+    ext = native.norm_extension() if forward is not None else None
+    if ext is None:
+        return None
+    x_rows, h, stats = args[0], args[6], args[7]
+    learned = []
+
+    def backward(dy, dh, h, weight, stats):
+        grads = _general_backward(meta, dy, dh, h, weight, stats)
+        if learned:
+            _learn_native_backward(learned[0], meta, dy, dh, h, weight)
+        return grads
+
+    plan = ext.NormPlan(address, backward, list(x_rows.shape), list(stats.shape), _like(x_rows.dtype, x.device),
+                        _like(h.dtype, x.device), _like(torch.float32, x.device), residual is not None,
+                        bias is not None, x_bias is not None)
+    plan.set_forward(*forward)
+    learned.append(plan)
+    return plan
+
+
+def _learn_native_backward(plan, meta, dy, dh, h, weight):
+    """Give plan the backward's launches for contiguous gradients like dy, dh once they have a call plan."""
+    if dy is None or plan.has_backward(dh is not None) or not dy.is_contiguous() or \
+            (dh is not None and not dh.is_contiguous()):
+        return
+    is_rms, _, _, x_dtype, res_dtype, bias_dtype, xb_dtype, _, split_dr = meta
+    call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr,
+                                          xb_dtype))
+    spec = getattr(call, "native_spec", None) if call else None
+    if spec is None:
+        return
+    slots = list(spec.slots)
+    part = slots[7] = partial_rows(h.device, spec.slots[7].numel())     # the current stream's buffer
+    launches = [None if entry is None else native.launch_spec(entry, grid, args, spec.slots)
+                for entry, grid, args in spec.launches]
+    if None in launches:
+        return
+    (rows, sums), (dx, dr, dw, db, dxb) = launches, (slots[5], slots[6], slots[8], slots[9], slots[10])
+    dev = h.device
+    plan.set_grads(_like(dx.dtype, dev), None if dr is dx else _like(dr.dtype, dev), _like(dw.dtype, dev),
+                   None if db is None else _like(db.dtype, dev), None if dxb is None else _like(dxb.dtype, dev))
+    plan.set_backward(dh is not None, dy.dtype, dy.data_ptr() & 15, None if dh is None else dh.dtype,
+                      0 if dh is None else dh.data_ptr() & 15, *rows, *sums, part, current_stream(dev) or 0)
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
@@ -1081,6 +1156,8 @@ def add_dropout_norm(x, residual, weight, bias=None, *, x_bias=None, kind="layer
         except (AttributeError, TypeError, RuntimeError):       # not tensors, or no storage: the checks say
             sig = prepared = None
         if prepared is not None and use_triton(x):
+            if prepared.native is not None and native.enabled() and direct_launches_allowed():
+                return prepared.native.apply(x, residual, weight, bias, x_bias)
             return _apply_prepared(x, residual, weight, bias, x_bias, prepared)
     check_norm_args(x, residual, weight, bias, kind, dropout_p, residual_dtype, x_bias)
     p = float(dropout_p) if training else 0.0
