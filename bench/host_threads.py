@@ -8,8 +8,9 @@ body is timed from inside (perf_counter around its Functions' backward), so the 
 separate. At 9bc6c82: 379 against 306 us a call, of which the body 84 against 71 us; a no-work Function
 135 against 78 us, so the worker thread's extra is mostly the engine's handoff.
 
-Cases: the norm op at a tiny shape and at 32768 x 1024 (LayerNorm, bf16); the same with its kernel launches
-replaced by no-ops (what launching costs); a Function whose backward only allocates the op's outputs; a
+Cases: the norm op at a tiny shape and at 32768 x 1024 (LayerNorm, bf16), with its C++ node (norm_node.cpp,
+the default) and with its Python node; the Python node with its kernel launches replaced by no-ops (what
+launching costs); a Function whose backward only allocates the op's outputs; a
 Function whose backward only launches the op's two backward kernels' worth of a tiny kernel; the no-work
 Function. First, launch_costs: what one direct launch costs inside a backward, with tensors, with data_ptr
 ints, and through Triton 3.6's C entry point, beside allocations, Function.apply against its C base and
@@ -42,7 +43,7 @@ from common import environment, write_result  # noqa: E402
 from host_overhead import Doubling, host_us  # noqa: E402
 
 from tilewise import ops  # noqa: E402
-from tilewise.ops import launch, norm  # noqa: E402
+from tilewise.ops import launch, native, norm  # noqa: E402
 
 CALLS = 200
 
@@ -297,6 +298,11 @@ def main():
             y, h = ops.add_dropout_norm(x, r, w, b)
             torch.autograd.backward((y, h), (dy, dh))
         both_threads(f"norm {m}x{n}", op, leaves, rows, clock=True)
+
+        def python_node_op():
+            with native.python_nodes():
+                op()
+        both_threads(f"norm {m}x{n}, Python node", python_node_op, leaves, rows, clock=True)
         if m == 32768:
             do_bench_shaped(f"norm {m}x{n}", op, leaves, rows)
 
@@ -313,7 +319,7 @@ def main():
             norm._CALLS.clear()
             norm._PREPARED.clear()
             launch.BoundLauncher.direct = lambda self, a: (lambda grid, *rest: None)
-            both_threads(f"norm {m}x{n}, launches stubbed", op, leaves, rows, clock=True)
+            both_threads(f"norm {m}x{n}, launches stubbed", python_node_op, leaves, rows, clock=True)
         finally:
             launch.BoundLauncher.direct = real_direct
             for table, old in zip((norm._CALLS, norm._PREPARED), saved):
@@ -376,7 +382,7 @@ def main():
     norm._PREPARED.clear()
     launch.BoundLauncher.direct = lambda self, a: (lambda grid, *rest: None)
     try:
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False), native.python_nodes():
             for _ in range(20):
                 op()
             prof = cProfile.Profile()

@@ -22,7 +22,9 @@ import contextlib
 import ctypes
 import os
 import struct
+import sys
 import threading
+import time
 import warnings
 
 import torch
@@ -64,8 +66,13 @@ def _build():
     try:
         from torch.utils import cpp_extension
         with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-        return cpp_extension.load(name="tilewise_norm_node", sources=[_SOURCE], extra_cflags=["-O2"],
-                                  with_cuda=with_cuda, verbose=False)
+        start = time.perf_counter()
+        module = cpp_extension.load(name="tilewise_norm_node", sources=[_SOURCE], extra_cflags=["-O2"],
+                                    with_cuda=with_cuda, verbose=False)
+        if time.perf_counter() - start > 5:         # compiled now, not loaded from torch's extension cache
+            print(f"tilewise: built the C++ norm node in {time.perf_counter() - start:.0f} s (kept in torch's "
+                  f"extension cache)", file=sys.stderr)
+        return module
     except Exception as e:      # noqa: BLE001 - no compiler, no ninja, a header missing: the Python path stays
         warnings.warn(f"tilewise: the C++ norm node did not build ({type(e).__name__}: {str(e)[:300]}); "
                       f"add_dropout_norm stays on its Python autograd node", RuntimeWarning, stacklevel=3)
