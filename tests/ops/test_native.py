@@ -152,3 +152,13 @@ def test_a_parameter_on_an_absent_tensor_is_an_error_not_a_crash(ext):
     plan.set_forward(FORWARD, [1, 1, 1], 32, 0, [(1, 0)])          # the residual's slot, but there is none
     with pytest.raises(RuntimeError, match="slot 1"):
         plan.apply(torch.randn(2, 4), None, torch.randn(4), None, None)
+
+
+@pytest.mark.gpu
+def test_gpu_launches_go_to_the_current_stream(ext):
+    """The node launches on the stream current for the tensor's device, as torch and Triton do."""
+    t = torch.zeros(1, device="cuda")
+    assert ext.current_stream(t) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ext.current_stream(t) == side.cuda_stream

@@ -591,11 +591,18 @@ def _like(dtype, device) -> Optional[torch.Tensor]:
 
 
 class _NativeSpec(NamedTuple):
-    """A call plan's launches as norm_node.cpp takes them (see _native_plan): (entry, grid, args) per launch,
-    and the first call's tensors in the node's slot order (None where absent), which every tensor argument
-    is one of."""
+    """A call plan's launches as norm_node.cpp takes them (native.launch_spec's, None where not covered), and
+    for a backward its gradients' dtypes (dx, dresidual, dweight, dbias, dx_bias; None where absent or dx
+    serves) and partial-sum size. Plain values: a spec that held the first call's tensors would keep its
+    outputs, and through their grad_fn the whole autograd graph of that call, alive."""
     launches: tuple
-    slots: tuple
+    grad_dtypes: tuple = ()
+    n_part: int = 0
+
+
+def _launch_spec(bound: BoundLauncher, grid, args, slots):
+    entry = bound.entry(args)
+    return None if entry is None else native.launch_spec(entry, grid, args, slots)
 
 
 def _forward_call(plan: _Plan, grid, args, h_dtype):
@@ -615,7 +622,7 @@ def _forward_call(plan: _Plan, grid, args, h_dtype):
         launch(grid, x, x if residual is None else residual, weight, weight if bias is None else bias,
                weight if x_bias is None else x_bias, y, h, stats, *scalars)
         return y, h, stats
-    forward.native_spec = _NativeSpec(((plan.launch.entry(args), grid, args),), args[:8])
+    forward.native_spec = _NativeSpec((_launch_spec(plan.launch, grid, args, args[:8]),))   # slots: x .. stats
     return forward
 
 
@@ -822,10 +829,10 @@ def _backward_call(plan: _Plan, grid, args, dw, dr, db, dxb):
         dxb = dxb_like.new_empty((N,)) if dxb_like is not None else None
         sums(sums_grid, part, *_sum_outputs(dw, db, dxb), programs, N)
         return dx, dr, dw, db, dxb
-    # norm_node.cpp's backward slots: dy, dh, h, weight, stats, dx, dr, part, dw, db, dx_bias
-    backward.native_spec = _NativeSpec(((plan.launch.entry(args), grid, args),
-                                        (_sum_partials.entry(sums_args), sums_grid, sums_args)),
-                                       (*args[:5], dx, args[7], part, dw, db, dxb))
+    slots = (*args[:5], dx, args[7], part, dw, db, dxb)     # norm_node.cpp's: dy, dh, h, weight, stats, dx, dr, ..
+    backward.native_spec = _NativeSpec(
+        (_launch_spec(plan.launch, grid, args, slots), _launch_spec(_sum_partials, sums_grid, sums_args, slots)),
+        tuple(None if t is None else t.dtype for t in (dx, dr, dw, db, dxb)), n_part)
     return backward
 
 
@@ -1027,7 +1034,7 @@ def _prepare(sig, x, residual, weight, bias, x_bias, is_rms, eps, h_dtype):
     call = _CALLS.get(_forward_signature(x, residual, weight, bias, is_rms, eps, h_dtype, x_bias))
     if call:
         meta = _meta(x, residual, bias, x_bias, is_rms, 0.0, 0)
-        _PREPARED[sig] = _Prepared(call, {}, meta, _native_plan(call, meta, x, residual, bias, x_bias))
+        _PREPARED[sig] = _Prepared(call, {}, meta, _native_plan(call, meta, x, residual, bias, x_bias, h_dtype))
 
 
 # The C++ node (norm_node.cpp through ops/native.py): a prepared call's forward and, for the gradient layouts
@@ -1035,19 +1042,15 @@ def _prepare(sig, x, residual, weight, bias, x_bias, is_rms, eps, h_dtype):
 # launch; its Python fallback (the general backward) hands it the backward's launches for each gradient
 # layout once that layout has a call plan, so from the third call on a call runs in C++ end to end.
 
-def _native_plan(call, meta, x, residual, bias, x_bias):
+def _native_plan(call, meta, x, residual, bias, x_bias, h_dtype):
     """A norm_node.cpp plan for a prepared call, or None (not CUDA, the extension unavailable, or a launch
     it does not cover)."""
     spec = getattr(call, "native_spec", None)
-    if x.device.type != "cuda" or spec is None:
+    if x.device.type != "cuda" or spec is None or spec.launches[0] is None or not native.launch_address():
         return None
-    (entry, grid, args), = spec.launches
-    address = native.launch_address()
-    forward = None if entry is None or not address else native.launch_spec(entry, grid, args, spec.slots)
-    ext = native.norm_extension() if forward is not None else None
+    ext = native.norm_extension()
     if ext is None:
         return None
-    x_rows, h, stats = args[0], args[6], args[7]
     learned = []
 
     def backward(dy, dh, h, weight, stats):
@@ -1056,10 +1059,12 @@ def _native_plan(call, meta, x, residual, bias, x_bias):
             _learn_native_backward(learned[0], meta, dy, dh, h, weight)
         return grads
 
-    plan = ext.NormPlan(address, backward, list(x_rows.shape), list(stats.shape), _like(x_rows.dtype, x.device),
-                        _like(h.dtype, x.device), _like(torch.float32, x.device), residual is not None,
+    width = x.shape[-1]
+    stats_shape = [1 if meta[0] else 2, x.numel() // width]
+    plan = ext.NormPlan(native.launch_address(), backward, list(x.shape), stats_shape, _like(x.dtype, x.device),
+                        _like(h_dtype, x.device), _like(torch.float32, x.device), residual is not None,
                         bias is not None, x_bias is not None)
-    plan.set_forward(*forward)
+    plan.set_forward(*spec.launches[0])
     learned.append(plan)
     return plan
 
@@ -1073,20 +1078,14 @@ def _learn_native_backward(plan, meta, dy, dh, h, weight):
     call = _CALLS.get(_backward_signature(dy, dh, h, weight, is_rms, x_dtype, res_dtype, bias_dtype, split_dr,
                                           xb_dtype))
     spec = getattr(call, "native_spec", None) if call else None
-    if spec is None:
+    if spec is None or None in spec.launches:
         return
-    slots = list(spec.slots)
-    part = slots[7] = partial_rows(h.device, spec.slots[7].numel())     # the current stream's buffer
-    launches = [None if entry is None else native.launch_spec(entry, grid, args, spec.slots)
-                for entry, grid, args in spec.launches]
-    if None in launches:
-        return
-    (rows, sums), (dx, dr, dw, db, dxb) = launches, (slots[5], slots[6], slots[8], slots[9], slots[10])
     dev = h.device
-    plan.set_grads(_like(dx.dtype, dev), None if dr is dx else _like(dr.dtype, dev), _like(dw.dtype, dev),
-                   None if db is None else _like(db.dtype, dev), None if dxb is None else _like(dxb.dtype, dev))
+    plan.set_grads(*(_like(t, dev) for t in spec.grad_dtypes))
+    rows, sums = spec.launches
     plan.set_backward(dh is not None, dy.dtype, dy.data_ptr() & 15, None if dh is None else dh.dtype,
-                      0 if dh is None else dh.data_ptr() & 15, *rows, *sums, part, current_stream(dev) or 0)
+                      0 if dh is None else dh.data_ptr() & 15, *rows, *sums, partial_rows(dev, spec.n_part),
+                      current_stream(dev) or 0)      # the partial sums' buffer of the current stream
 
 
 def keep_mask(n_rows: int, width: int, p: float, seed: int, device="cpu") -> torch.Tensor:
