@@ -79,6 +79,15 @@ def _build():
         return None
 
 
+_PLANS: list = []          # every NormPlan made: a node's backward holds its plan's address, so none is freed
+
+
+def keep(plan):
+    """Keep plan alive for the process (see _PLANS) and return it."""
+    _PLANS.append(plan)
+    return plan
+
+
 def launch_address() -> int:
     """cuLaunchKernel's address in the CUDA driver (0 without one)."""
     if "launch" not in _STATE:

@@ -1069,7 +1069,7 @@ def _native_plan(call, meta, x, residual, bias, x_bias, h_dtype):
                         bias is not None, x_bias is not None)
     plan.set_forward(*spec.launches[0])
     learned.append(plan)
-    return plan
+    return native.keep(plan)
 
 
 def _learn_native_backward(plan, meta, dy, dh, h, weight):

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -98,7 +99,7 @@ struct GradLayout {
 };
 
 struct Backward {
-  bool ready = false;
+  std::atomic<bool> ready{false};   // set last (release), read first (acquire): the fields are complete then
   GradLayout dy{}, dh{};
   Launch rows, sums;
   at::Tensor part;          // the partial sums' buffer, on part_stream
@@ -159,10 +160,10 @@ struct NormPlan {
     b.sums = make_launch(sums_function, std::move(sums_grid), sums_threads, sums_shared, sums_params);
     b.part = part;
     b.part_stream = reinterpret_cast<void*>(part_stream);
-    b.ready = true;
+    b.ready.store(true, std::memory_order_release);
   }
 
-  bool has_backward(bool with_dh) const { return backward[with_dh ? 1 : 0].ready; }
+  bool has_backward(bool with_dh) const { return backward[with_dh ? 1 : 0].ready.load(std::memory_order_acquire); }
 };
 
 struct NormNode : public torch::autograd::Function<NormNode> {
@@ -192,7 +193,7 @@ struct NormNode : public torch::autograd::Function<NormNode> {
     const at::Tensor &dy = grads[0], &dh = grads[1];
     const Backward& b = plan.backward[dh.defined() ? 1 : 0];
     void* stream = current_stream(h);
-    if (!b.ready || !dy.defined() || !b.dy.matches(dy, plan.shape) || (dh.defined() && !b.dh.matches(dh, plan.shape)) ||
+    if (!b.ready.load(std::memory_order_acquire) || !dy.defined() || !b.dy.matches(dy, plan.shape) || (dh.defined() && !b.dh.matches(dh, plan.shape)) ||
         stream != b.part_stream) {
       return python_backward(plan, dy, dh, h, weight, stats);
     }
