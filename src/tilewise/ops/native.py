@@ -15,6 +15,9 @@ or python_nodes() keeps it there.
 Launch parameters come from each compiled kernel's signature (Triton's ASTSource: one type a parameter,
 "constexpr" for those compiled in), as Triton's own launcher packs them: pointers and integers by value,
 fp32 as its bits. Kernels with scratch buffers, clusters, cooperative grids or PDL are not covered.
+Per call norm.py checks only the switches and launch hooks (launch.direct_launches_allowed), not Triton's
+knobs or the kernels' globals as FastLauncher's direct launches do: a plan keeps the kernels it was built
+with (the norm kernels read no mutable global).
 """
 from __future__ import annotations
 
