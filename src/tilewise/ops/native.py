@@ -17,7 +17,7 @@ Launch parameters come from each compiled kernel's signature (Triton's ASTSource
 fp32 as its bits. Kernels with scratch buffers, clusters, cooperative grids or PDL are not covered.
 Per call norm.py checks only the switches and launch hooks (launch.direct_launches_allowed), not Triton's
 knobs or the kernels' globals as FastLauncher's direct launches do: a plan keeps the kernels it was built
-with (the norm kernels read no mutable global).
+with.
 """
 from __future__ import annotations
 
