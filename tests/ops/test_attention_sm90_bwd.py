@@ -45,13 +45,20 @@ def test_unknown_dq_mode_raises_value_error_naming_it():
 
 
 def test_dkdv_dq_configs_are_well_formed():
-    """(BLOCK_N, BLOCK_M, STAGES, SPLIT) for d64 and d128; SPLIT needs BLOCK_M 64 (a wgmma's M)."""
+    """(BLOCK_N, BLOCK_M, STAGES, SPLIT[, DQ_SLOTS]) for d64 and d128; SPLIT needs BLOCK_M 64 (a wgmma's M);
+    each head_dim has a writer-warp config (DQ_SLOTS > 0) for the atomic_writer tests."""
     for d in (64, 128):
         cfgs = b9.CONFIGS["dkdv_dq"][d]
         assert cfgs and len(set(cfgs)) == len(cfgs)
-        for bn, bm, stages, split in cfgs:
+        for bn, bm, stages, split, *slots in cfgs:
             assert bn == 64 and bm in (64, 128) and stages >= 2 and split in (0, 1)
             assert not split or bm == 64
+            assert slots in ([], [1], [2])
+        assert _writer_config(d)[4] > 0
+
+
+def _writer_config(d):
+    return next(c for c in b9.CONFIGS["dkdv_dq"][d] if len(c) > 4 and c[4] > 0)
 
 
 def _reference(q, k, v, dout, causal, scale):
@@ -75,6 +82,8 @@ def _err(x, ref):
 
 def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=None, dq_config=None,
           dq_mode="split", dkdv_dq_config=None):
+    if dq_mode == "atomic_writer":   # the atomic kernel with its writer warp
+        dq_mode, dkdv_dq_config = "atomic", _writer_config(d)
     if not b9.available("cuda") or (dq_mode == "atomic" and not b9.available_atomic("cuda")):
         pytest.skip(f"no sm_90 GPU with Gluon: {b9._GLUON_ERROR}")
     q = torch.randn(batch, seqlen, hq, d, dtype=dtype, device="cuda")
@@ -101,8 +110,9 @@ def check(batch, seqlen, hq, hkv, d, causal, dtype=torch.bfloat16, dkdv_config=N
 
 
 # dq_mode="atomic" (dQ added by the dK/dV kernel with float32 atomics; their order varies, so the checks are
-# tolerances only) takes the same cases as the split kernels.
-DQ_MODES = pytest.mark.parametrize("dq_mode", ["split", "atomic"])
+# tolerances only) takes the same cases as the split kernels, with the consumers' atomics and with the writer
+# warp's ("atomic_writer").
+DQ_MODES = pytest.mark.parametrize("dq_mode", ["split", "atomic", "atomic_writer"])
 
 
 @pytest.mark.gpu

@@ -111,18 +111,24 @@ LOG2E = 1.4426950408889634
 
 # dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES);
 # dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES);
-# dkdv_dq (dq_mode="atomic"): dkdv's three and SPLIT (1: each warpgroup dQ's half of the columns over both key
-# tiles; 0: every column over its own tile). The first is the default. Only configs that build with 0 spills
-# for bf16 / fp16, causal or not: d128 SPLIT 0 spilled 21 causal, d64 BLOCK_M 128 spilled ~100, SPLIT with
-# BLOCK_M 32 is no wgmma (M 32).
+# dkdv_dq (dq_mode="atomic"): dkdv's three, SPLIT (1: each warpgroup dQ's half of the columns over both key
+# tiles; 0: every column over its own tile) and optionally DQ_SLOTS (> 0: the consumers hand their dQ partials
+# to a writer warp through that many shared-memory slots, and it does the atomics). The first is the default.
+# Only configs that build with 0 spills for bf16 / fp16, causal or not: d128 SPLIT 0 spilled 21 causal, d64
+# BLOCK_M 128 spilled ~100, SPLIT with BLOCK_M 32 is no wgmma (M 32).
 CONFIGS = {
     "dkdv": {128: [(64, 64, 2), (64, 32, 4)],
              64: [(64, 64, 3), (64, 128, 2), (64, 64, 4)]},
     "dq": {128: [(64, 64, 3), (64, 64, 2), (64, 128, 2)],
            64: [(64, 64, 3), (64, 128, 3), (64, 64, 4)]},
-    "dkdv_dq": {128: [(64, 64, 2, 1)],
-                64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0)]},
+    "dkdv_dq": {128: [(64, 64, 2, 1), (64, 64, 2, 1, 1), (64, 64, 2, 1, 2)],
+                64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0), (64, 64, 3, 0, 1),
+                     (64, 64, 3, 1, 1), (64, 64, 3, 0, 2), (64, 64, 4, 0, 1)]},
 }
+# dkdv_dq's writer warp (a config's fifth element > 0): its registers. It shares the third warpgroup's slot with
+# the producer warp, and that slot is charged its largest partition's count for all 128 threads: with the two
+# consumer warpgroups at 240, 24 is all that is left (at 80 the default partition fell to 184 and spilled).
+WRITER_REGS = 24
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
@@ -311,15 +317,17 @@ if gl is not None:
         # ------------------------------------------------------------------------------------------
         @gluon.jit
         def _dkdv_dq_consumer(k_tiles, v_tile, q_ring, do_ring, ds_ring, kv_bar, q_full, do_full, free, ds_ready,
+                              dq_bufs, dq_full, dq_free,
                               DK, DV, DQA, LSE2, DELTA, key0, seqlen, b, heads, out_row, h0, q_lo, n_iter,
                               qk_scale, softmax_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr,
+                              WRITER: gl.constexpr, DQ_SLOTS: gl.constexpr):
             """_dkdv_consumer's loop (warpgroup WG of the pair, keys key0 .. key0 + BLOCK_N) plus dQ_i: dS^T_i goes
             to ds_ring (stage, WG) and, SPLIT, dQ_i[:, WG half of the columns] = dS_i K over both tiles' keys once
             ds_ready says the other half is there; else dQ_i = dS_i K over its own keys, every column. The partial
             (times softmax_scale) is added to DQA (float32 (batch, heads_q, seqlen, head_dim)) with relaxed
-            atomics."""
+            atomics, or with WRITER stored to this warpgroup's buffer of dq_bufs' slot for _dq_writer to add."""
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_M, 16])
             g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -359,6 +367,8 @@ if gl is not None:
             mbarrier.wait(kv_bar, 0)
             stage = 0
             phase = 0
+            dslot = 0
+            dfree_phase = 1   # the first round finds every dQ slot free
             start_m = q_lo
             lrow = ((b * heads + h0) * seqlen).to(gl.int64)
             for it in range(n_iter):
@@ -409,11 +419,23 @@ if gl is not None:
                     dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_tile, zero_q, use_acc=False, is_async=True)
                 dk, dq = warpgroup_mma_wait(0, deps=(dk_tok, dq_tok))
                 mbarrier.arrive(free.index(stage))   # also frees this stage's dS halves (read by both)
-                # DQA is (batch, heads_q, seqlen, HEAD_DIM): the step's tile is one block, each thread's addresses
-                # one base and constant offsets
-                dqa = DQA + ((lrow + start_m) * HEAD_DIM + DQ_COL)
-                gl.atomic_add(dqa + qoffs, dq * softmax_scale, mask=gl.expand_dims(start_m + qrows < seqlen, 1),
-                              sem="relaxed")
+                if WRITER:
+                    # the partial to shared memory (16 8-byte stores a thread) for the writer warp's atomics,
+                    # once the writer has read the slot's last round
+                    mbarrier.wait(dq_free.index(dslot), dfree_phase)
+                    dq_bufs.index(2 * dslot + WG).store(dq * softmax_scale)
+                    gl.thread_barrier()   # every thread's stores before the arrive
+                    mbarrier.arrive(dq_full.index(dslot))
+                    dslot += 1
+                    if dslot == DQ_SLOTS:
+                        dslot = 0
+                        dfree_phase ^= 1
+                else:
+                    # DQA is (batch, heads_q, seqlen, HEAD_DIM): the step's tile is one block, each thread's
+                    # addresses one base and constant offsets
+                    dqa = DQA + ((lrow + start_m) * HEAD_DIM + DQ_COL)
+                    gl.atomic_add(dqa + qoffs, dq * softmax_scale, mask=gl.expand_dims(start_m + qrows < seqlen, 1),
+                                  sem="relaxed")
                 stage += 1
                 if stage == STAGES:
                     stage = 0
@@ -434,12 +456,57 @@ if gl is not None:
             gl.store(DK + offs, (dk * softmax_scale).to(dtype), mask=mask)
 
         @gluon.jit
+        def _dq_writer(dq_bufs, dq_full, dq_free, DQA, seqlen, b, heads, h0, q_lo, n_iter,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr,
+                       DQ_SLOTS: gl.constexpr):
+            """One warp adding the consumers' dQ partials into DQA, in their (query head, query block) order:
+            SPLIT, the two buffers of a slot are the two column halves of the tile; else both cover every
+            column (each warpgroup's own keys) and are summed here, one atomic for the two. Rows CHUNK at a
+            time (4 floats a thread: the warp has the 24 registers the consumers leave), 16-byte relaxed
+            atomics, rows past the end masked."""
+            DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+            CHUNK: gl.constexpr = 128 // DQ_N
+            layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // DQ_N,
+                                                    DQ_N // 4], warps_per_cta=[1, 1], order=[1, 0])
+            rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            dcol = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, layout))
+            offs = gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
+            slot = 0
+            phase = 0
+            start_m = q_lo
+            lrow = ((b * heads + h0) * seqlen).to(gl.int64)
+            for it in range(n_iter):
+                mbarrier.wait(dq_full.index(slot), phase)
+                base = DQA + (lrow + start_m) * HEAD_DIM
+                for c in gl.static_range(BLOCK_M // CHUNK):
+                    mask = gl.expand_dims(start_m + c * CHUNK + rows < seqlen, 1)
+                    if SPLIT:
+                        for half in gl.static_range(2):
+                            part = dq_bufs.index(2 * slot + half).slice(c * CHUNK, CHUNK, dim=0).load(layout)
+                            gl.atomic_add(base + (c * CHUNK * HEAD_DIM + half * DQ_N) + offs, part, mask=mask,
+                                          sem="relaxed")
+                    else:
+                        part = (dq_bufs.index(2 * slot).slice(c * CHUNK, CHUNK, dim=0).load(layout)
+                                + dq_bufs.index(2 * slot + 1).slice(c * CHUNK, CHUNK, dim=0).load(layout))
+                        gl.atomic_add(base + c * CHUNK * HEAD_DIM + offs, part, mask=mask, sem="relaxed")
+                mbarrier.arrive(dq_free.index(slot))
+                slot += 1
+                if slot == DQ_SLOTS:
+                    slot = 0
+                    phase ^= 1
+                start_m += BLOCK_M
+                if start_m >= seqlen:   # the next query head of the group
+                    start_m = q_lo
+                    lrow += seqlen
+
+        @gluon.jit
         def _attn_bwd_dkdv_dq_sm90(q_desc, do_desc, k_desc, v_desc, DK, DV, DQA, LSE2, DELTA,
                                    seqlen, heads, out_row, group, qk_scale, softmax_scale,
                                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                                   STAGES: gl.constexpr, SPLIT: gl.constexpr, CAUSAL: gl.constexpr,
+                                   STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITER: gl.constexpr,
+                                   DQ_SLOTS: gl.constexpr, CAUSAL: gl.constexpr,
                                    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr):
+                                   CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
             """_attn_bwd_dkdv_sm90's grid and producer; the consumers add dQ into DQA as they go."""
             pid = gl.program_id(0)
             hk = gl.program_id(1)
@@ -466,6 +533,20 @@ if gl is not None:
             do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             ds_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+            if WRITER:
+                # plain row-major (unswizzled, so the writer can slice a few rows at a time)
+                dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+                dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, DQ_N], dq_layout)
+                dq_full = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+                dq_free = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
+                for i in gl.static_range(DQ_SLOTS):
+                    mbarrier.init(dq_full.index(i), count=2)   # both warpgroups' partials stored
+                    mbarrier.init(dq_free.index(i), count=1)   # the writer has read them
+            else:
+                dq_bufs = ds_ring
+                dq_full = ds_ready
+                dq_free = ds_ready
             mbarrier.init(kv_bar, count=1)
             for i in gl.static_range(STAGES):
                 mbarrier.init(q_full.index(i), count=1)
@@ -476,19 +557,40 @@ if gl is not None:
 
             key0 = n0
             key1 = n0 + BLOCK_N
-            gl.warp_specialize([
-                (_dkdv_dq_consumer, (k_tiles, v_tiles.index(0), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
-                                     free, ds_ready, DK, DV, DQA, LSE2, DELTA, key0, seqlen, b, heads, out_row, h0,
-                                     q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
-                                     CAUSAL, SPLIT, 0)),
-                (_dkdv_dq_consumer, (k_tiles, v_tiles.index(1), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
-                                     free, ds_ready, DK, DV, DQA, LSE2, DELTA, key1, seqlen, b, heads, out_row, h0,
-                                     q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
-                                     CAUSAL, SPLIT, 1)),
-                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
-                                  q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
-                                  seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+            # (one call per branch: a list of partitions cannot be a variable in a jit function)
+            if WRITER:
+                gl.warp_specialize([
+                    (_dkdv_dq_consumer, (k_tiles, v_tiles.index(0), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                         free, ds_ready, dq_bufs, dq_full, dq_free, DK, DV, DQA, LSE2, DELTA, key0,
+                                         seqlen, b, heads, out_row, h0, q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_M, STAGES, CAUSAL, SPLIT, 0, WRITER, DQ_SLOTS)),
+                    (_dkdv_dq_consumer, (k_tiles, v_tiles.index(1), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                         free, ds_ready, dq_bufs, dq_full, dq_free, DK, DV, DQA, LSE2, DELTA, key1,
+                                         seqlen, b, heads, out_row, h0, q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_M, STAGES, CAUSAL, SPLIT, 1, WRITER, DQ_SLOTS)),
+                    (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
+                                      q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
+                                      seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                    (_dq_writer, (dq_bufs, dq_full, dq_free, DQA, seqlen, b, heads, h0, q_lo, n_iter, HEAD_DIM,
+                                  BLOCK_M, SPLIT, DQ_SLOTS)),
+                ], [4, PRODUCER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+                for i in gl.static_range(DQ_SLOTS):
+                    mbarrier.invalidate(dq_full.index(i))
+                    mbarrier.invalidate(dq_free.index(i))
+            else:
+                gl.warp_specialize([
+                    (_dkdv_dq_consumer, (k_tiles, v_tiles.index(0), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                         free, ds_ready, dq_bufs, dq_full, dq_free, DK, DV, DQA, LSE2, DELTA, key0,
+                                         seqlen, b, heads, out_row, h0, q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_M, STAGES, CAUSAL, SPLIT, 0, WRITER, DQ_SLOTS)),
+                    (_dkdv_dq_consumer, (k_tiles, v_tiles.index(1), q_ring, do_ring, ds_ring, kv_bar, q_full, do_full,
+                                         free, ds_ready, dq_bufs, dq_full, dq_free, DK, DV, DQA, LSE2, DELTA, key1,
+                                         seqlen, b, heads, out_row, h0, q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_M, STAGES, CAUSAL, SPLIT, 1, WRITER, DQ_SLOTS)),
+                    (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_tiles, v_tiles, q_ring, do_ring, kv_bar,
+                                      q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
+                                      seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(kv_bar)
             for i in gl.static_range(STAGES):
@@ -638,7 +740,10 @@ def _tile_rows(kind, config):
 def _consts(kind, head_dim, causal, config):
     a, b, stages = config[:3]
     names = ("BLOCK_M", "BLOCK_N") if kind == "dq" else ("BLOCK_N", "BLOCK_M")
-    extra = {"SPLIT": bool(config[3])} if kind == "dkdv_dq" else {}
+    extra = {}
+    if kind == "dkdv_dq":
+        slots = config[4] if len(config) > 4 else 0
+        extra = {"SPLIT": bool(config[3]), "WRITER": slots > 0, "DQ_SLOTS": max(slots, 1), "WRITER_REGS": WRITER_REGS}
     return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, **extra, "CAUSAL": causal,
             **ROLE_CONSTS}
 
