@@ -115,15 +115,16 @@ LOG2E = 1.4426950408889634
 # tiles; 0: every column over its own tile) and optionally DQ_SLOTS (> 0: the consumers hand their dQ partials
 # to a writer warp through that many shared-memory slots, and it does the atomics). The first is the default.
 # Only configs that build with 0 spills for bf16 / fp16, causal or not: d128 SPLIT 0 spilled 21 causal, d64
-# BLOCK_M 128 spilled ~100, SPLIT with BLOCK_M 32 is no wgmma (M 32).
+# BLOCK_M 128 spilled ~100, SPLIT with BLOCK_M 32 is no wgmma (M 32), the writer with SPLIT 0 at d64 spilled 10
+# (its two buffers summed, 16 floats a thread each).
 CONFIGS = {
     "dkdv": {128: [(64, 64, 2), (64, 32, 4)],
              64: [(64, 64, 3), (64, 128, 2), (64, 64, 4)]},
     "dq": {128: [(64, 64, 3), (64, 64, 2), (64, 128, 2)],
            64: [(64, 64, 3), (64, 128, 3), (64, 64, 4)]},
     "dkdv_dq": {128: [(64, 64, 2, 1), (64, 64, 2, 1, 1), (64, 64, 2, 1, 2)],
-                64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0), (64, 64, 3, 0, 1),
-                     (64, 64, 3, 1, 1), (64, 64, 3, 0, 2), (64, 64, 4, 0, 1)]},
+                64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0), (64, 64, 3, 1, 1),
+                     (64, 64, 2, 1, 2), (64, 64, 3, 1, 2)]},
 }
 # dkdv_dq's writer warp (a config's fifth element > 0): its registers. It shares the third warpgroup's slot with
 # the producer warp, and that slot is charged its largest partition's count for all 128 threads: with the two
@@ -458,16 +459,16 @@ if gl is not None:
         @gluon.jit
         def _dq_writer(dq_bufs, dq_full, dq_free, DQA, seqlen, b, heads, h0, q_lo, n_iter,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr,
-                       DQ_SLOTS: gl.constexpr):
+                       DQ_SLOTS: gl.constexpr, WRITER_WARPS: gl.constexpr):
             """One warp adding the consumers' dQ partials into DQA, in their (query head, query block) order:
             SPLIT, the two buffers of a slot are the two column halves of the tile; else both cover every
-            column (each warpgroup's own keys) and are summed here, one atomic for the two. Rows CHUNK at a
-            time (4 floats a thread: the warp has the 24 registers the consumers leave), 16-byte relaxed
-            atomics, rows past the end masked."""
+            column (each warpgroup's own keys) and are summed here, one atomic for the two. Rows CHUNK (the
+            buffers' 8-row swizzle period) at a time over WRITER_WARPS warps, 16-byte relaxed atomics, rows past
+            the end masked."""
             DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
-            CHUNK: gl.constexpr = 128 // DQ_N
+            CHUNK: gl.constexpr = 8
             layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 * 4 // DQ_N,
-                                                    DQ_N // 4], warps_per_cta=[1, 1], order=[1, 0])
+                                                    DQ_N // 4], warps_per_cta=[WRITER_WARPS, 1], order=[1, 0])
             rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             dcol = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, layout))
             offs = gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(dcol, 0)
@@ -504,7 +505,7 @@ if gl is not None:
                                    seqlen, heads, out_row, group, qk_scale, softmax_scale,
                                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                                    STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITER: gl.constexpr,
-                                   DQ_SLOTS: gl.constexpr, CAUSAL: gl.constexpr,
+                                   DQ_SLOTS: gl.constexpr, WRITER_WARPS: gl.constexpr, CAUSAL: gl.constexpr,
                                    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
             """_attn_bwd_dkdv_sm90's grid and producer; the consumers add dQ into DQA as they go."""
@@ -535,8 +536,7 @@ if gl is not None:
             ds_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
             if WRITER:
-                # plain row-major (unswizzled, so the writer can slice a few rows at a time)
-                dq_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+                dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_N], gl.float32)
                 dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_SLOTS, BLOCK_M, DQ_N], dq_layout)
                 dq_full = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
                 dq_free = gl.allocate_shared_memory(gl.int64, [DQ_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -572,8 +572,8 @@ if gl is not None:
                                       q_full, do_full, free, b * seqlen + n0, hk * HEAD_DIM, b * seqlen, h0, q_lo,
                                       seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
                     (_dq_writer, (dq_bufs, dq_full, dq_free, DQA, seqlen, b, heads, h0, q_lo, n_iter, HEAD_DIM,
-                                  BLOCK_M, SPLIT, DQ_SLOTS)),
-                ], [4, PRODUCER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+                                  BLOCK_M, SPLIT, DQ_SLOTS, WRITER_WARPS)),
+                ], [4, PRODUCER_WARPS, WRITER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
                 for i in gl.static_range(DQ_SLOTS):
                     mbarrier.invalidate(dq_full.index(i))
                     mbarrier.invalidate(dq_free.index(i))
@@ -743,7 +743,8 @@ def _consts(kind, head_dim, causal, config):
     extra = {}
     if kind == "dkdv_dq":
         slots = config[4] if len(config) > 4 else 0
-        extra = {"SPLIT": bool(config[3]), "WRITER": slots > 0, "DQ_SLOTS": max(slots, 1), "WRITER_REGS": WRITER_REGS}
+        extra = {"SPLIT": bool(config[3]), "WRITER": slots > 0, "DQ_SLOTS": max(slots, 1), "WRITER_REGS": WRITER_REGS,
+                 "WRITER_WARPS": config[5] if len(config) > 5 else 2}
     return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, **extra, "CAUSAL": causal,
             **ROLE_CONSTS}
 
