@@ -51,9 +51,21 @@ backward's; 37 of its gpu tests passed before the run's time limit, none failed)
 d128 4 x 4096 x 16 372 / 327 TFLOP/s non-causal / causal against 439 / 388, 8 x 2048 x 16 341 / 281 against
 421 / 346; d64 32 x 1024 x 12 235 / 179 against 295 / 216. Zeroing dq_acc and the cast took 0.10-0.13 ms of
 it; the kernel alone (3.53 ms at d128 4 x 4096 non-causal) is slower than the dK/dV and dQ kernels together.
-Not yet known where its time goes: the atomics after each step's last wait, the per-step ds_ready handshake
-(which takes away the unsynchronized warpgroups' overlap) and dK's A now read from shared memory are the
-suspects.
+Where its time goes (da5663e, bench/attention_sm90_bwd_ablate.py, kernel alone, d128 8 x 2048 x 16 causal:
+GPT-1.3B's shape): 1.04 ms with the consumers' atomics, 0.63 ms with them removed (the 5 GEMMs cost little more
+than the split dK/dV kernel's 4: 0.56 ms; the dQ kernel is 0.39), 1.03 without the ds_ready handshake. So the
+atomics are the cost, not the handshake.
+Writer warps (a config's DQ_SLOTS > 0, FA3's dQ writer without its TMA reduce-add): each consumer stores its
+partial (times softmax_scale) to its buffer of a shared-memory slot (128B-swizzled float32, BLOCK_M x DQ_N) and
+arrives on the slot's dq_full (count 2); a 2-warp partition (_dq_writer) waits on it, loads 8-row slices and adds
+them with 16-byte atomics (REDG.E.ADD.F32x4), then arrives on dq_free, which the consumers wait on before they
+reuse the slot. The writer shares the producer warp's warpgroup slot, charged at its largest partition's
+registers, so it has 24 (WRITER_REGS). At 1.3B's shape the kernel then takes 0.90 ms (0.77 without the atomics,
+0.76 without the stores), at d128 4 x 4096 non-causal 2.90 against 3.48 (split: 1.86 + 1.24), at d64 32 x 1024 x
+12 causal 0.50 against 0.59 (split 0.38 + 0.24). With the zeroing and the cast (0.10 ms) the whole backward is
+still 0.95-0.97x the split mode at the e2e shapes (bench/results/sm90/attention_sm90_bwd_writer_da5663e.json:
+325.0 against 337.7 TFLOP/s at 1.3B's, 204.1 against 215.3 at GPT-2 124M's), so it stays undispatched. A 1-warp
+writer made it slower (1.34 ms: one warp cannot issue the 32 KB a step needs in time).
 Design: the dK/dV kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead
 of 7 (no second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of
 stage i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too
@@ -116,13 +128,13 @@ LOG2E = 1.4426950408889634
 # to a writer warp through that many shared-memory slots, and it does the atomics). The first is the default.
 # Only configs that build with 0 spills for bf16 / fp16, causal or not: d128 SPLIT 0 spilled 21 causal, d64
 # BLOCK_M 128 spilled ~100, SPLIT with BLOCK_M 32 is no wgmma (M 32), the writer with SPLIT 0 at d64 spilled 10
-# (its two buffers summed, 16 floats a thread each).
+# (its two buffers summed, 16 floats a thread each), d128 with two dQ slots 4 non-causal.
 CONFIGS = {
     "dkdv": {128: [(64, 64, 2), (64, 32, 4)],
              64: [(64, 64, 3), (64, 128, 2), (64, 64, 4)]},
     "dq": {128: [(64, 64, 3), (64, 64, 2), (64, 128, 2)],
            64: [(64, 64, 3), (64, 128, 3), (64, 64, 4)]},
-    "dkdv_dq": {128: [(64, 64, 2, 1), (64, 64, 2, 1, 1), (64, 64, 2, 1, 2)],
+    "dkdv_dq": {128: [(64, 64, 2, 1), (64, 64, 2, 1, 1)],
                 64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0), (64, 64, 3, 1, 1),
                      (64, 64, 2, 1, 2), (64, 64, 3, 1, 2)]},
 }
