@@ -323,13 +323,14 @@ if gl is not None and warpgroup_mma_init is not None:
         @gluon.jit
         def _dkdv_producer(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, qs_desc, dos_desc, lse2_desc,
                            delta_desc, k_tiles, v_tiles, q_ring, do_ring, qt_ring, dot_ring, rows_ring, kv_bar,
-                           qdo_full, t_full, free, kv_row, kv_col, q_row, q_col0, qt_row0, q_lo, seqlen, n_iter,
-                           HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                           qdo_full, t_full, free, kv_row, kv_col, q_row, q_col0, qt_row0, q_lo, seqlen, vstride,
+                           n_iter, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr):
             """The two K and V tiles once, then the E4M3 Q, dO tiles (row-major) and the block's qs, dos, lse2,
             delta (float32, rows 4 stage .. 4 stage + 3 of rows_ring) on qdo_full, and the Q^T, dO^T tiles
             (transposed) on t_full, of (head h0 + g, query block) into stage it % STAGES once both consumers
-            freed it. The vectors are 1-D tiles of the flat (batch * heads_q * seqlen) arrays."""
+            freed it. The vectors are 1-D tiles of the flat (batch * heads_q * vstride) arrays (vstride: seqlen
+            rounded up to 16, so every tile starts 64-byte aligned)."""
             mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_tiles.index(0))
             tma.async_copy_global_to_shared(k_desc, [kv_row + BLOCK_N, kv_col], kv_bar, k_tiles.index(1))
@@ -340,7 +341,7 @@ if gl is not None and warpgroup_mma_init is not None:
             start_m = q_lo
             col = q_col0
             qt_row = qt_row0
-            lrow = (qt_row0 // HEAD_DIM) * seqlen   # (b * heads_q + h0) * seqlen
+            lrow = (qt_row0 // HEAD_DIM) * vstride   # (b * heads_q + h0) * vstride
             for it in range(n_iter):
                 row = q_row + start_m
                 mbarrier.wait(free.index(stage), free_phase)
@@ -367,11 +368,11 @@ if gl is not None and warpgroup_mma_init is not None:
                     start_m = q_lo
                     col += HEAD_DIM
                     qt_row += HEAD_DIM
-                    lrow += seqlen
+                    lrow += vstride
 
         @gluon.jit
         def _fp8_bwd_dkdv_sm90(q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, qs_desc, dos_desc, lse2_desc,
-                               delta_desc, DK, DV, KS, VS, DOA, seqlen, heads, kv_heads, group, ssb, ssh,
+                               delta_desc, DK, DV, KS, VS, DOA, seqlen, vstride, heads, kv_heads, group, ssb, ssh,
                                qk_scale, softmax_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
@@ -433,7 +434,7 @@ if gl is not None and warpgroup_mma_init is not None:
                                   delta_desc, k_tiles, v_tiles, q_ring, do_ring, qt_ring, dot_ring, rows_ring,
                                   kv_bar, qdo_full, t_full, free, b * seqlen + n0,
                                   hk * HEAD_DIM, b * seqlen, h0 * HEAD_DIM, (b * heads + h0) * HEAD_DIM, q_lo,
-                                  seqlen, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
+                                  seqlen, vstride, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(kv_bar)
@@ -702,6 +703,17 @@ def _rows_layout(block):
     return gl.NVMMASharedLayout.get_default_for([block], gl.float32)
 
 
+def _padded_rows(x, vstride):
+    """x (float32 (batch, heads_q, seqlen)) with its rows vstride apart (zeros after seqlen): a 1-D TMA tile
+    whose start is not 16-byte aligned crashed the dK/dV kernel ("illegal instruction" at every seqlen not a
+    multiple of 16, bench/fp8_attention_sm90_bwd_probe.py at 81d9cc1), and a tile starts at row * seqlen."""
+    if x.shape[-1] == vstride:
+        return x
+    out = x.new_zeros((*x.shape[:-1], vstride))
+    out[..., :x.shape[-1]] = x
+    return out
+
+
 def _vector_desc(x, block):
     """A float32 (batch, heads_q, seqlen) array as a flat 1-D TMA tensor, block-element tiles: a tile running
     past a head's end reads the next head's values (masked by the kernel), past the array's end zeros."""
@@ -866,10 +878,11 @@ def launch_dkdv(prep: Prepared, q, k, dk, dv, causal: bool, softmax_scale: float
     descs = (_rows_desc(prep.q8, bm, rows_l), _rows_desc(prep.do8, bm, rows_l), _t_desc(prep.q8t, bm, rows_t_l),
              _t_desc(prep.do8t, bm, rows_t_l), _rows_desc(prep.k8, bn, keys_l), _rows_desc(prep.v8, bn, keys_l))
     grid = (-(-seqlen // (2 * bn)), kv_heads, batch)
-    vectors = [_vector_desc(t, bm) for t in (prep.qs, prep.dos, prep.lse2, prep.delta)]
-    _fp8_bwd_dkdv_sm90[grid](*descs, *vectors, dk, dv, prep.ks, prep.vs, prep.do_amax, seqlen, heads, kv_heads,
-                             heads // kv_heads, prep.ks.stride(0),
-                             prep.ks.stride(1), softmax_scale * LOG2E, softmax_scale,
+    vstride = -(-seqlen // 16) * 16
+    vectors = [_vector_desc(_padded_rows(t, vstride), bm) for t in (prep.qs, prep.dos, prep.lse2, prep.delta)]
+    _fp8_bwd_dkdv_sm90[grid](*descs, *vectors, dk, dv, prep.ks, prep.vs, prep.do_amax, seqlen, vstride, heads,
+                             kv_heads, heads // kv_heads, prep.ks.stride(0), prep.ks.stride(1),
+                             softmax_scale * LOG2E, softmax_scale,
                              **_consts("dkdv", d, causal, cfg), num_warps=4)
 
 
