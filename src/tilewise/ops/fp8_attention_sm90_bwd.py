@@ -5,9 +5,11 @@ the bench's shapes (within 0.7% of the Triton FP8 backward) but slower than the 
 kernels alone 416 TFLOP/s against 459 at d128 4 x 4096 x 16 non-causal (366 against 389 causal; 438 against
 466 at 1 x 16384), and with prepare()'s quantization passes (0.80 ms of 3.61 there) 380. The dK/dV kernel
 (2.26 ms, its 32-query tiles) is twice the dQ kernel's 1.07. Its gpu tests crashed at their first ragged case
-(batch 3, seqlen 1, 4 / 2 heads, d64: "illegal instruction", which left the CUDA context unusable for the
-rest); the cause is not yet known (a TMA descriptor whose box exceeds the tensor, the 1-D per-query vector
-tiles or the transposed copies padded to 16 tokens, is the first suspect).
+(batch 3, seqlen 1, 4 / 2 heads, d64: "illegal instruction"). bench/fp8_attention_sm90_bwd_probe.py (each kernel
+and shape in its own process, at 81d9cc1) found the dK/dV kernel crashing at every seqlen not a multiple of 16
+and the dQ kernel never: the dK/dV kernel's 1-D TMA tiles of the per-query vectors started at (batch * heads +
+h) * seqlen + query, not 16-byte aligned there. Their rows are now padded to 16 (_padded_rows), and all 38 gpu
+tests of tests/ops/test_fp8_attention_sm90_bwd.py passed at 430a7e0.
 
 What it computes: the two main kernels of fp8_attention.py's backward (`_fp8_bwd_dkdv`, `_fp8_bwd_dq`) for the
 dense layout, on exactly the operands `_fp8_backward` prepares (prepare() below makes the same calls:
