@@ -138,7 +138,7 @@ CONFIGS = {
                 64: [(64, 64, 3, 0), (64, 64, 2, 1), (64, 64, 3, 1), (64, 64, 4, 0), (64, 64, 3, 1, 1),
                      (64, 64, 2, 1, 2), (64, 64, 3, 1, 2)]},
 }
-# dkdv_dq's writer warp (a config's fifth element > 0): its registers. It shares the third warpgroup's slot with
+# dkdv_dq's writer warps (a config's fifth element > 0): their registers. They share the third warpgroup's slot with
 # the producer warp, and that slot is charged its largest partition's count for all 128 threads: with the two
 # consumer warpgroups at 240, 24 is all that is left (at 80 the default partition fell to 184 and spilled).
 WRITER_REGS = 24
@@ -472,7 +472,7 @@ if gl is not None:
         def _dq_writer(dq_bufs, dq_full, dq_free, DQA, seqlen, b, heads, h0, q_lo, n_iter,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr,
                        DQ_SLOTS: gl.constexpr, WRITER_WARPS: gl.constexpr):
-            """One warp adding the consumers' dQ partials into DQA, in their (query head, query block) order:
+            """WRITER_WARPS warps adding the consumers' dQ partials into DQA, in their (query head, query block) order:
             SPLIT, the two buffers of a slot are the two column halves of the tile; else both cover every
             column (each warpgroup's own keys) and are summed here, one atomic for the two. Rows CHUNK (the
             buffers' 8-row swizzle period) at a time over WRITER_WARPS warps, 16-byte relaxed atomics, rows past
@@ -555,7 +555,7 @@ if gl is not None:
                 for i in gl.static_range(DQ_SLOTS):
                     mbarrier.init(dq_full.index(i), count=2)   # both warpgroups' partials stored
                     mbarrier.init(dq_free.index(i), count=1)   # the writer has read them
-            else:
+            else:   # placeholders: the consumers' atomics branch never touches them
                 dq_bufs = ds_ring
                 dq_full = ds_ready
                 dq_free = ds_ready
