@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None, metavar="BM,BN,STAGES;...",
                    help="configs to try instead of fp8_attention_sm90.CONFIGS")
     p.add_argument("--shapes", default=None, metavar="B,N,H,D;...", help="shapes instead of the default two")
+    p.add_argument("--kv-block", type=int, default=None,
+                   help="rows a K/V scale covers (fp8_attention.KV_BLOCK, 128 on the GPU), for this run")
     args = p.parse_args(argv)
     if args.aot_only:
         return aot_main([int(x) for x in args.head_dims.split(",")], args.dtypes.split(","), args.json)
@@ -205,7 +207,10 @@ def main(argv=None) -> int:
     from tilewise.ops import fp8_attention as f8
     from tilewise.ops import fp8_attention_sm90 as f9
 
-    result = {"env": environment(), "available": None, "gluon_error": f9._GLUON_ERROR, "cells": []}
+    if args.kv_block:   # both modules read these at call time: the passes' scale blocks and the kernel's
+        f8.KV_BLOCK = f9.KV_BLOCK_GPU = args.kv_block
+    result = {"env": environment(), "available": None, "gluon_error": f9._GLUON_ERROR, "kv_block": f8.KV_BLOCK,
+              "cells": []}
     result["available"] = f9.available("cuda") if torch.cuda.is_available() else False
     print(f"fp8_attention_sm90 available: {result['available']} ({f9._GLUON_ERROR or 'Gluon imported'})", flush=True)
     if not result["available"]:

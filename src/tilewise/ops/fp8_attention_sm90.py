@@ -5,7 +5,25 @@ A prototype, not dispatched yet. Measured at 9a9ef10 (H200, bench/fp8_attention_
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
 558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that
-config); 21 of the gpu tests passed before that run's time limit, the rest have not run.
+config).
+
+Schedules measured since (bench/results/sm90/fp8_attention_sm90_schedules.json, the three runs of
+bench/README's command; TFLOP/s kernel alone, d128; a run's bf16 Gluon forward in brackets):
+- PERSISTENT (a config's sixth element; attention_sm90's schedule, one program per SM over the query-pair
+  tiles): at 4 x 4096 x 16, 786.8 against 744.9 non-causal and 653.6 against 614.1 causal for (64,128,3,1,0,1)
+  and (64,128,2,1) [604.8, 521.8]; at 1 x 16384 even non-causal (816.2 / 809.6) and slower causal (734.3 /
+  785.4) [623.3, 630.0]: the default up to attention_sm90.PERSISTENT_UP_TO tokens, as in bf16 (default_config).
+- PINGPONG (fifth element; the two warpgroups take turns issuing their wgmmas, attention_sm90's barriers):
+  within 2% of the loose ping-pong in every cell (e.g. 742.8 / 737.4, 802.9 / 791.1), so off.
+- BLOCK_N 256 (P_SMEM=2: one P buffer per warpgroup in its bf16 Q tile's bytes, 181 KB of shared memory; two
+  buffers need 246 KB): needs K/V scale blocks of 256 rows (bench --kv-block 256; fp8_attention.KV_BLOCK is
+  128 on the GPU, so no CONFIGS entry). 781.9 against 737.4 at 4 x 4096 non-causal, 620.0 / 617.8 causal,
+  799.8 / 791.1 and 846.4 / 771.9 at 1 x 16384, against BLOCK_N 128 in the same run: 1-10%.
+So the kernel alone is 1.25-1.31x the bf16 Gluon forward at these shapes and 1.09-1.30x with the K/V passes,
+short of the 1.4x the FP8 attention issue asks. What bounds it is not known. Estimated from the SASS (667
+instructions a key block per warp, 64 MUFU.EX2 a thread) at an assumed 1.8 GHz, issue, MUFU and the FP8
+tensor cores are each busy under 55% of a measured step at 1 x 16384: none is saturated (not profiled).
+ex2.approx.f16x2 would not halve the exp2s: ptxas makes it two MUFU.EX2.F16 on sm_90.
 
 What it computes: exactly fp8_attention.py's forward kernel `_fp8_fwd` (dense layout, no rotation), on the
 operands that fp8_attention.py's own quantization pass `_quantize` (kernel `_fp8_quantize`) writes for
@@ -40,7 +58,8 @@ Warp roles (gl.warp_specialize), as attention_sm90.py:
 Inside a consumer warpgroup (FA3's intra-warpgroup overlap): at key block j issue S_j = Q8 K_j^T (both
 operands in shared memory), then O += P_{j-1} V_{j-1} (V^T's tile K-major in shared memory; P_{j-1} in E4M3
 either in shared memory, two buffers per warpgroup, config P_SMEM=1, the default, or in registers in the
-k_width 4 dot-operand layout, P_SMEM=0), wait only for S_j, run the softmax of S_j while P_{j-1} V_{j-1} is
+k_width 4 dot-operand layout, P_SMEM=0, or in one buffer per warpgroup that is stored after P_{j-1} V_{j-1}
+is waited for, P_SMEM=2), wait only for S_j, run the softmax of S_j while P_{j-1} V_{j-1} is
 on the tensor cores, then wait for it and rescale O. (Triton 3.6's wgmma wait cannot keep an 8-bit register
 operand alive as a dependency, "Unexpected bitwidth in WGMMAWaitGroupOp: 8", so the register path waits on
 the accumulator alone and relies on ptxas, which sees the wgmma read those registers; in the SASS they are
@@ -68,11 +87,13 @@ import os
 
 import torch
 
+from . import attention_sm90 as a9
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
                          fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
-                         on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+                         on_sm90, query_pair_tile, query_pair_work, stream_kv, stream_kv_from, tensordesc_type, tma,
+                         warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers
@@ -85,19 +106,40 @@ KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block
 # shared-memory path 32 2-byte stores, a fence and a warpgroup barrier. Which is faster is for the H200 to say.
 # The shared-memory path is the default: its non-causal key-block loop is 667 SASS instructions against
 # 899 (the bf16 Gluon kernel's: 590), and at FP8 rates the loop's issue, not the tensor cores, is the bound.
+# (.., P_SMEM, PINGPONG, PERSISTENT): see the module docstring; PERSISTENT with neither PINGPONG nor P_SMEM=2.
 CONFIGS = {
     128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
-          (64, 64, 3), (64, 128, 4), (64, 64, 4)],
-    64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4)],
+          (64, 64, 3), (64, 128, 4), (64, 64, 4), (64, 128, 3, 1, 0, 1), (64, 128, 2, 1, 0, 1),
+          (64, 128, 2, 1, 1)],
+    64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4),
+         (64, 128, 3, 1, 0, 1)],
 }
+# The persistent config that is the default up to attention_sm90.PERSISTENT_UP_TO tokens, where measured.
+PERSISTENT_DEFAULT = {128: (64, 128, 3, 1, 0, 1)}
 
 
-def _config(head_dim, config):
-    """(BLOCK_M, BLOCK_N, STAGES, P_SMEM) of a config (CONFIGS[head_dim][0] for None)."""
-    cfg = tuple(config if config is not None else CONFIGS[head_dim][0])
-    if len(cfg) not in (3, 4):
-        raise ValueError(f"fp8_attention_sm90: config {cfg} is not (BLOCK_M, BLOCK_N, STAGES[, P_SMEM])")
-    return cfg if len(cfg) == 4 else (*cfg, 0)
+def default_config(head_dim: int, seqlen=None) -> tuple:
+    """PERSISTENT_DEFAULT[head_dim] up to PERSISTENT_UP_TO tokens, else CONFIGS[head_dim][0] (also for None)."""
+    if seqlen is not None and seqlen <= a9.PERSISTENT_UP_TO and head_dim in PERSISTENT_DEFAULT:
+        return PERSISTENT_DEFAULT[head_dim]
+    return CONFIGS[head_dim][0]
+
+
+def _config(head_dim, config, seqlen=None):
+    """(BLOCK_M, BLOCK_N, STAGES, P_SMEM, PINGPONG, PERSISTENT) of a config (default_config for None)."""
+    cfg = tuple(config if config is not None else default_config(head_dim, seqlen))
+    if len(cfg) not in (3, 4, 5, 6):
+        raise ValueError(f"fp8_attention_sm90: config {cfg} is not (BLOCK_M, BLOCK_N, STAGES[, P_SMEM[, PINGPONG"
+                         f"[, PERSISTENT]]])")
+    bm, bn, stages, p_smem, pingpong, persistent = (*cfg, 0, 0, 0)[:6]
+    if p_smem not in (0, 1, 2) or pingpong not in (0, 1) or persistent not in (0, 1):
+        raise ValueError(f"fp8_attention_sm90: config {cfg}: P_SMEM is 0, 1 or 2, PINGPONG and PERSISTENT 0 or 1")
+    if persistent and (pingpong or p_smem == 2):
+        raise ValueError(f"fp8_attention_sm90: config {cfg}: PERSISTENT combines with neither PINGPONG (its turns "
+                         f"count one tile's batches) nor P_SMEM=2 (the next tile's Q loads into that P buffer)")
+    return bm, bn, stages, p_smem, pingpong, persistent
+
+
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
 _NAN_FILL = os.environ.get("TILEWISE_NAN_FILL", "0") == "1"
@@ -118,13 +160,18 @@ if gl is not None:
             return gl.where(live, inv, 0.0), scale
 
         @gluon.jit
-        def _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                      O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        def _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                      my_turn, other_turn, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                      q_phase, filled, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                      P_SMEM: gl.constexpr):
+                      P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, PERSISTENT: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h): quantize Q
-            into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together."""
+            into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together.
+            With PINGPONG the two warpgroups take turns issuing their batch of wgmmas (batch j of the FIRST,
+            then batch j of the other, ...), as attention_sm90's: before batch j a warpgroup waits on my_turn
+            for the other's batch j - 1 (FIRST) or j, after it arrives on other_turn. The Q tile is q_bar's phase
+            q_phase and key block j is in the ring's slot filled + j (both 0 but in the PERSISTENT schedule,
+            where the bf16 Q tile is released on q_free once quantized)."""
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 32])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -147,21 +194,28 @@ if gl is not None:
             zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
             # Q per row to E4M3 (fp8_attention._quantize_tile, ROWWISE, no rotation), into shared memory
-            mbarrier.wait(q_bar, 0)
+            mbarrier.wait(q_bar, q_phase)
             x = q_tile.load(q_layout).to(gl.float32)
             inv, qs = _scales(gl.max(gl.abs(x), 1))
             q8_tile.store((x * gl.expand_dims(inv, 1)).to(fp8))
             fence_async_shared()
             gl.thread_barrier()   # the whole tile in shared memory before the warpgroup's wgmma reads it
+            if PERSISTENT:
+                mbarrier.arrive(q_free)   # the bf16 tile is read: the producer may load the next tile's
             qc = gl.convert_layout(qs, row_s) * qk_scale
 
             # key block 0: its scores and softmax, no P V in flight yet
             ks = gl.load(KS + s_base)
             vs_i = gl.load(VS + s_base)
-            mbarrier.wait(k_full.index(0), 0)
-            tok = warpgroup_mma(q8_tile, k_ring.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            first = filled % STAGES
+            mbarrier.wait(k_full.index(first), (filled // STAGES) & 1)
+            if PINGPONG and not FIRST:
+                mbarrier.wait(my_turn, 0)
+            tok = warpgroup_mma(q8_tile, k_ring.index(first).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=(tok, ))
-            mbarrier.arrive(k_free.index(0))
+            mbarrier.arrive(k_free.index(first))
             if BLOCK_N > limit:
                 kpos = cols
                 keep = gl.expand_dims(kpos, 0) < seqlen
@@ -172,29 +226,39 @@ if gl is not None:
             m_i = gl.max(s, 1) * c
             p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1))   # P * 256
             l_i = gl.sum(p, 1)
-            if P_SMEM:
+            if P_SMEM == 1:
                 p_tiles.index(0).store(p.to(fp8))
                 fence_async_shared()
                 gl.thread_barrier()
                 p_op = p_tiles.index(0)
+            elif P_SMEM == 2:
+                p_tiles.store(p.to(fp8))
+                fence_async_shared()
+                gl.thread_barrier()
+                p_op = p_tiles
             else:
                 p_op = gl.convert_layout(p.to(fp8), p_layout)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
             for j in range(1, n_blocks):
-                stage = j % STAGES
-                phase = (j // STAGES) & 1
-                prev = (j - 1) % STAGES
-                prev_phase = ((j - 1) // STAGES) & 1
+                slot = filled + j
+                stage = slot % STAGES
+                phase = (slot // STAGES) & 1
+                prev = (slot - 1) % STAGES
+                prev_phase = ((slot - 1) // STAGES) & 1
                 start_n = j * BLOCK_N
                 blk = start_n // KV_BLOCK
                 ks = gl.load(KS + s_base + blk)
                 vs = gl.load(VS + s_base + blk)
                 mbarrier.wait(k_full.index(stage), phase)
+                mbarrier.wait(v_full.index(prev), prev_phase)
+                if PINGPONG:
+                    mbarrier.wait(my_turn, (j - FIRST) & 1)
                 s_tok = warpgroup_mma(q8_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
                                       is_async=True)
-                mbarrier.wait(v_full.index(prev), prev_phase)
                 o_tok = warpgroup_mma(p_op, v_ring.index(prev).permute((1, 0)), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(other_turn)
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))   # S_j done, P_{j-1} V_{j-1} may still run
                 mbarrier.arrive(k_free.index(stage))
                 if start_n + BLOCK_N > limit:
@@ -209,14 +273,20 @@ if gl is not None:
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
-                if P_SMEM:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
+                if P_SMEM == 1:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
                     p_next = p_tiles.index(j % 2)
                     p_next.store(p.to(fp8))
                     fence_async_shared()
+                elif P_SMEM == 2:
+                    p8 = p.to(fp8)
                 else:
                     p_next = gl.convert_layout(p.to(fp8), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(o_tok, ))   # (an E4M3 p_op cannot be a dep in 3.6)
                 mbarrier.arrive(v_free.index(prev))
+                if P_SMEM == 2:   # the one buffer: its reader P_{j-1} V_{j-1} is done
+                    p_tiles.store(p8)
+                    fence_async_shared()
+                    p_next = p_tiles
                 # acc from V_{j-1}'s units to V_j's, with the softmax correction (as _fp8_fwd_blocks)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha * (vs_i / vs), row_o), 1)
                 vs_i = vs
@@ -224,9 +294,13 @@ if gl is not None:
                 if P_SMEM:
                     gl.thread_barrier()   # every thread's share of P_j stored before its wgmma
 
-            last = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_full.index(last), ((n_blocks - 1) // STAGES) & 1)
+            last = (filled + n_blocks - 1) % STAGES
+            mbarrier.wait(v_full.index(last), ((filled + n_blocks - 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(my_turn, (n_blocks - FIRST) & 1)
             o_tok = warpgroup_mma(p_op, v_ring.index(last).permute((1, 0)), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_free.index(last))
 
@@ -246,60 +320,148 @@ if gl is not None:
             gl.store(lse_ptrs, gl.convert_layout(lse, row_o), mask=rows < seqlen)
 
         @gluon.jit
-        def _producer(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free, v_free,
-                      q_row, q_col, kv_row, kv_col, vt_row, n_blocks,
+        def _producer(q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, k_full, v_full, k_free,
+                      v_free, q_row, q_col, kv_row, kv_col, vt_row, n_blocks,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
             """The two bf16 Q tiles once, then K_j and V_j^T into stage j % STAGES once both consumers freed it."""
             mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_tiles.index(0))
-            tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_tiles.index(1))
+            tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_tile0)
+            tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, q_col], q_bar, q_tile1)
             stream_kv(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, kv_row, kv_col, vt_row, 0,
                       n_blocks, BLOCK_N, STAGES, True)
 
         @gluon.jit
+        def _producer_tiles(q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                            k_free, v_free, seqlen, heads, kv_heads, group, n_pairs, units, section, n_tiles,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+            """The persistent schedule's producer (attention_sm90's): tile pid, pid + nprog, ...: its bf16 Q pair
+            once both consumers quantized the last (q_free, waited with the opposite parity of the tile's),
+            then its K, V^T blocks into the ring after the last tile's."""
+            filled = 0
+            q_phase = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
+                                                         BLOCK_N, CAUSAL)
+                mbarrier.wait(q_free, q_phase ^ 1)
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+                q_row = b * seqlen + m0
+                tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_tile0)
+                tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, h * HEAD_DIM], q_bar, q_tile1)
+                filled = stream_kv_from(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, b * seqlen,
+                                        hk * HEAD_DIM, (b * kv_heads + hk) * HEAD_DIM, 0, n_blocks, filled,
+                                        BLOCK_N, STAGES, True)
+                q_phase ^= 1
+
+        @gluon.jit
+        def _consumer_tiles(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                            O, LSE, KS, VS, ssb, ssh, seqlen, heads, group, n_pairs, units, section, n_tiles,
+                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
+                            P_SMEM: gl.constexpr, SECOND: gl.constexpr):
+            """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's second
+            with SECOND) of tiles pid, pid + nprog, ..., the producer's order; tile i's Q is q_bar's phase
+            i & 1, and the ring's slots run on from tile to tile."""
+            filled = 0
+            q_phase = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
+                                                         BLOCK_N, CAUSAL)
+                s_base = b.to(gl.int64) * ssb + hk * ssh
+                _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                          q_free, q_free, O, LSE, KS, VS, s_base, m0 + SECOND * BLOCK_M, seqlen, b, h, heads,
+                          n_blocks, qk_scale, q_phase, filled, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK,
+                          P_SMEM, False, not SECOND, True)
+                filled += n_blocks
+                q_phase ^= 1
+
+        @gluon.jit(do_not_specialize=["batch", "section"])   # one build for any batch (the grid schedule's unused)
         def _fp8_fwd_sm90(q_desc, k_desc, v_desc, KS, VS, O, LSE, seqlen, heads, kv_heads, group, ssb, ssh,
-                          qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr, P_SMEM: gl.constexpr,
-                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
-            """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
-            h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
+                          qk_scale, batch, section, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
+                          P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+            """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
+            grid (programs,) of at most one per SM over tiles pid, pid + programs, ... in query_pair_tile's
+            order (`section`: its causal section, in units of (batch, head)), as attention_sm90's."""
+            if not PERSISTENT:
+                h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
             qdt: gl.constexpr = q_desc.dtype
             fp8: gl.constexpr = gl.float8e4nv
             q8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], fp8)
-            q_tiles = gl.allocate_shared_memory(qdt, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
             q8_tiles = gl.allocate_shared_memory(fp8, [2, BLOCK_M, HEAD_DIM], q8_layout)
             k_ring = gl.allocate_shared_memory(fp8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
             v_ring = gl.allocate_shared_memory(fp8, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             k_full, v_full, k_free, v_free = kv_ring_barriers(STAGES)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # see _consumer
             mbarrier.init(q_bar, count=1)
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+            q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())   # PERSISTENT only
+            mbarrier.init(q_free, count=2)   # one arrive per consumer warpgroup and tile
             fence_async_shared()
 
-            if P_SMEM:
+            if P_SMEM == 2:
+                # one P buffer per warpgroup, in the bytes of its bf16/fp16 Q tile (free once the consumer has
+                # quantized it: its thread barrier after q8_tile.store); BLOCK_N == 2 HEAD_DIM, E4M3 P
+                gl.static_assert(BLOCK_N == 2 * HEAD_DIM, "P_SMEM=2 needs BLOCK_N == 2 * HEAD_DIM")
                 p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], fp8)
-                p0 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
-                p1 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
+                p_all = gl.allocate_shared_memory(fp8, [2 * BLOCK_M, BLOCK_N], p_layout)
+                q_all = p_all._reinterpret(qdt, [2 * BLOCK_M, HEAD_DIM], q_desc.layout)
+                q_tile0 = q_all.slice(0, BLOCK_M)
+                q_tile1 = q_all.slice(BLOCK_M, BLOCK_M)
+                p0 = p_all.slice(0, BLOCK_M)
+                p1 = p_all.slice(BLOCK_M, BLOCK_M)
             else:
-                p0 = q8_tiles
-                p1 = q8_tiles
-            s_base = b.to(gl.int64) * ssb + hk * ssh
-            row0 = m0
-            row1 = m0 + BLOCK_M
-            gl.warp_specialize([
-                (_consumer, (q_tiles.index(0), q8_tiles.index(0), p0, k_ring, v_ring, q_bar, k_full, v_full, k_free,
-                             v_free, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
-                (_consumer, (q_tiles.index(1), q8_tiles.index(1), p1, k_ring, v_ring, q_bar, k_full, v_full, k_free,
-                             v_free, O, LSE, KS, VS, s_base, row1, seqlen, b, h, heads, n_blocks, qk_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
-                (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
-                             v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
-                             (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+                q_tiles = gl.allocate_shared_memory(qdt, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+                q_tile0 = q_tiles.index(0)
+                q_tile1 = q_tiles.index(1)
+                if P_SMEM == 1:
+                    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], fp8)
+                    p0 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
+                    p1 = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], p_layout)
+                else:
+                    p0 = q8_tiles
+                    p1 = q8_tiles
+            if PERSISTENT:
+                n_pairs = gl.cdiv(seqlen, 2 * BLOCK_M)
+                units = heads * batch
+                n_tiles = n_pairs * units
+                gl.warp_specialize([
+                    (_consumer_tiles, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full,
+                                       v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
+                                       n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0)),
+                    (_consumer_tiles, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full,
+                                       v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
+                                       n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1)),
+                    (_producer_tiles, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free,
+                                       k_full, v_full, k_free, v_free, seqlen, heads, kv_heads, group, n_pairs,
+                                       units, section, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+            else:
+                s_base = b.to(gl.int64) * ssb + hk * ssh
+                gl.warp_specialize([
+                    (_consumer, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                                 k_free, v_free, turn.index(0), turn.index(1), O, LSE, KS, VS, s_base, m0, seqlen,
+                                 b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                                 KV_BLOCK, P_SMEM, PINGPONG, True, False)),
+                    (_consumer, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                                 k_free, v_free, turn.index(1), turn.index(0), O, LSE, KS, VS, s_base,
+                                 m0 + BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False)),
+                    (_producer, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, k_full, v_full,
+                                 k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
+                                 (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+                ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
             mbarrier.invalidate(q_bar)
+            mbarrier.invalidate(q_free)
+            mbarrier.invalidate(turn.index(0))
+            mbarrier.invalidate(turn.index(1))
             invalidate_kv_ring(k_full, v_full, k_free, v_free, STAGES)
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators or signatures differ
         _GLUON_ERROR = f"{type(_e).__name__}: {_e}"
@@ -320,10 +482,10 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     config as in forward(). What bench/fp8_attention_sm90.py --aot-only inspects and available() tries once."""
     if _fp8_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
-    bm, bn, stages, p_smem = _config(head_dim, config)
+    bm, bn, stages, p_smem, pingpong, persistent = _config(head_dim, config)
     q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
-                  P_SMEM=bool(p_smem), **ROLE_CONSTS)
+                  P_SMEM=p_smem, PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type("fp8e4nv", (bn, head_dim), k_layout),
              "v_desc": tensordesc_type("fp8e4nv", (head_dim, bn), v_layout),
@@ -381,7 +543,8 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     padded to 16) and vs, from `_quantize(v, ..., rowwise=False, rows=False, transposed=True)`; ks, vs float32
     (batch, heads_kv, cdiv(seqlen, 128)). softmax_scale: natural units (the kernel folds log2 e in).
     Returns o (q's shape and dtype, contiguous) and lse (float32 natural log, (batch, heads_q, seqlen)), as
-    `_fp8_forward`. config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, P_SMEM]), default CONFIGS[d][0]. Raises
+    `_fp8_forward`. config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, P_SMEM[, PINGPONG[, PERSISTENT]]]),
+    default default_config(d, seqlen). Raises
     ValueError for what it does not support (the caller keeps `_fp8_fwd`)."""
     _check_qkv(q, k8, v8t, causal, softmax_scale, rotate)
     batch, seqlen, heads, d = q.shape
@@ -406,7 +569,7 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
         _fail("ks and vs must share strides")
     if any(t.device != q.device for t in (k8, v8t, ks, vs)):
         _fail("all operands on q's device")
-    bm, bn, stages, p_smem = _config(d, config)
+    bm, bn, stages, p_smem, pingpong, persistent = _config(d, config, seqlen)
     if KV_BLOCK_GPU % bn or bn < 32:
         _fail(f"BLOCK_N {bn} must divide {KV_BLOCK_GPU} and be >= 32")
     q = q.contiguous()
@@ -424,11 +587,19 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [d, bn], v_layout)
     o = new_output(q.shape, q.dtype, q.device, _NAN_FILL)
     lse = new_output((batch, heads, seqlen), torch.float32, q.device, _NAN_FILL)
-    grid = (-(-seqlen // (2 * bm)), heads, batch)
-    _fp8_fwd_sm90[grid](q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, heads // kv_heads,
-                        ks.stride(0), ks.stride(1), softmax_scale * LOG2E, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-                        STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=bool(p_smem), **ROLE_CONSTS,
-                        num_warps=num_warps)
+    n_pairs = -(-seqlen // (2 * bm))
+    group = heads // kv_heads
+    if persistent:   # attention_sm90's schedule; the causal section counts K and V^T at one byte an element
+        sms, l2_bytes = a9._device_sizes(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        grid = (min(sms, n_pairs * heads * batch), )
+        section = a9._causal_section(seqlen, d, group, 1, l2_bytes) if causal else 1
+    else:
+        grid = (n_pairs, heads, batch)
+        section = 1
+    _fp8_fwd_sm90[grid](q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, group,
+                        ks.stride(0), ks.stride(1), softmax_scale * LOG2E, batch, section, HEAD_DIM=d, BLOCK_M=bm,
+                        BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=p_smem,
+                        PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), **ROLE_CONSTS, num_warps=num_warps)
     return o, lse
 
 
