@@ -1,6 +1,7 @@
 """FP8 (E4M3) flash-attention forward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-A prototype, not dispatched yet. Measured at 9a9ef10 (H200, bench/fp8_attention_sm90.py, d128, 4 x 4096 x
+fp8_attention._fp8_forward runs it for the dense, unrotated calls it covers, raced per key against the Triton
+kernel as the bf16 Gluon kernels are (attention._gluon_wins, key "fp8_fwd"). Measured at 9a9ef10 (H200, bench/fp8_attention_sm90.py, d128, 4 x 4096 x
 16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
