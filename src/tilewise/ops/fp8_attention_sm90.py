@@ -1,8 +1,8 @@
 """FP8 (E4M3) flash-attention forward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
 fp8_attention._fp8_forward runs it for the dense, unrotated calls it covers, raced per key against the Triton
-kernel as the bf16 Gluon kernels are (attention._gluon_wins, key "fp8_fwd"). Measured at 9a9ef10 (H200, bench/fp8_attention_sm90.py, d128, 4 x 4096 x
-16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
+kernel as the bf16 Gluon kernels are (attention._gluon_wins, key "fp8_fwd"). Measured at 9a9ef10 (H200,
+bench/fp8_attention_sm90.py, d128, 4 x 4096 x 16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
 558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that
@@ -106,7 +106,7 @@ KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block
 # operand layout) costs ~240 byte-permute instructions a key block in Triton 3.6 (bench --aot-only), the
 # shared-memory path 32 2-byte stores, a fence and a warpgroup barrier. Which is faster is for the H200 to say.
 # The shared-memory path is the default: its non-causal key-block loop is 667 SASS instructions against
-# 899 (the bf16 Gluon kernel's: 590), and at FP8 rates the loop's issue, not the tensor cores, is the bound.
+# 899 (the bf16 Gluon kernel's: 590); that the loop's issue bounds it was a guess (see the module docstring).
 # (.., P_SMEM, PINGPONG, PERSISTENT): see the module docstring; PERSISTENT with neither PINGPONG nor P_SMEM=2.
 CONFIGS = {
     128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
