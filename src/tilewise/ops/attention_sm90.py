@@ -78,7 +78,7 @@ import torch
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
-                         new_output, on_sm90, query_pair_tile, query_pair_work, stream_kv, stream_kv_from,
+                         new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, stream_kv,
                          tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
@@ -245,30 +245,6 @@ if gl is not None:
                       n_blocks, BLOCK_N, STAGES, False)
 
         @gluon.jit
-        def _producer_tiles(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
-                            v_free, seqlen, heads, group, n_pairs, units, section, n_tiles,
-                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-            """The persistent schedule's producer, tiles pid, pid + nprog, ...: a tile's Q pair once both
-            consumers released the last one (q_free, waited with the opposite parity of the tile's, so the
-            first tile does not wait), then its K/V blocks into the ring after the last tile's, so they load
-            while the consumers finish that tile (its last P V and epilogue)."""
-            filled = 0
-            q_phase = 0
-            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
-                                                         BLOCK_N, CAUSAL)
-                mbarrier.wait(q_free, q_phase ^ 1)
-                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-                q_row = b * seqlen + m0
-                tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_tiles.index(0))
-                tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, h * HEAD_DIM], q_bar, q_tiles.index(1))
-                filled = stream_kv_from(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, b * seqlen,
-                                        hk * HEAD_DIM, b * seqlen, hk * HEAD_DIM, n_blocks, filled, BLOCK_N, STAGES,
-                                        False)
-                q_phase ^= 1
-
-        @gluon.jit
         def _consumer_tiles(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, O, LSE, seqlen,
                             heads, group, n_pairs, units, section, n_tiles, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -325,9 +301,9 @@ if gl is not None:
                     (_consumer_tiles, (q_tiles.index(1), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
                                        v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
                                        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
-                    (_producer_tiles, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, q_free, k_full,
-                                       v_full, k_free, v_free, seqlen, heads, group, n_pairs, units, section,
-                                       n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                    (produce_tiles, (q_desc, k_desc, v_desc, q_tiles.index(0), q_tiles.index(1), k_ring, v_ring,
+                                     q_bar, q_free, k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs,
+                                     units, section, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
                 ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
                 mbarrier.invalidate(q_free)
             else:

@@ -148,7 +148,7 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
 
 
 query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = None
-query_pair_tile = stream_kv_from = None
+query_pair_tile = stream_kv_from = produce_tiles = None
 if gluon is not None:
     try:
         @gluon.jit
@@ -265,6 +265,37 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(v_desc, [v_row + j * BLOCK_N, v_col], v_full.index(stage),
                                                     v_ring.index(stage))
             return filled + n_blocks
+
+        @gluon.jit
+        def produce_tiles(q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                          k_free, v_free, seqlen, heads, group, n_pairs, units, section, n_tiles,
+                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+            """A persistent forward's producer, tiles pid, pid + nprog, ... in query_pair_tile's order: a tile's Q
+            pair once both consumers released the last one (q_free, waited with the opposite parity of the
+            tile's, so the first tile does not wait), then its K/V blocks into the ring after the last tile's
+            (stream_kv_from), so they load while the consumers finish that tile. V_TRANSPOSED: V^T tiles of the
+            (batch * heads_kv * head_dim, tokens) view, as the FP8 kernels read them."""
+            filled = 0
+            q_phase = 0
+            for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+                h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
+                                                         BLOCK_N, CAUSAL)
+                mbarrier.wait(q_free, q_phase ^ 1)
+                mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+                q_row = b * seqlen + m0
+                tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_tile0)
+                tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, h * HEAD_DIM], q_bar, q_tile1)
+                if V_TRANSPOSED:
+                    v_row = (b * (heads // group) + hk) * HEAD_DIM
+                    v_col = 0
+                else:
+                    v_row = b * seqlen
+                    v_col = hk * HEAD_DIM
+                filled = stream_kv_from(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_free, v_free, b * seqlen,
+                                        hk * HEAD_DIM, v_row, v_col, n_blocks, filled, BLOCK_N, STAGES,
+                                        V_TRANSPOSED)
+                q_phase ^= 1
     except Exception as _e:  # noqa: BLE001 - a Gluon whose decorators differ: the kernel modules see gl None
         GLUON_ERROR = f"{type(_e).__name__}: {_e}"
         gluon = gl = None
