@@ -46,6 +46,10 @@ tokens in the transposed copies (TMA tiles start 16-byte aligned). A tensor's ro
 copies come from two launches (two reads): one kernel writing both is miscompiled by the ptxas Triton 3.6
 bundles (tilewise.ops.fp8_cast says more).
 
+On sm_90 the dense, unrotated forward may run fp8_attention_sm90's Gluon kernel instead (the same operands
+from the same passes, Q quantized per row inside it into shared memory; outputs equal to rounding): the
+first call of a key times both and keeps the faster (_gluon_forward_applies, attention._gluon_wins).
+
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
 E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
 sum to 1 - on Gaussian inputs that happened to help (dQ 0.9% vs 3.8% error, float64 emulation, N=512), on
@@ -840,8 +844,31 @@ def _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, ro
 
     consts = {**_consts(q, left, right, packed), "ROTATE": rotate}
     key = (attn._bucket(max_q, max_k), q.dtype, *consts.values())
-    attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
-    return out, lse
+
+    def triton_forward():
+        attn._run(_FWD8, tma, key, batch, lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), args, consts)
+        return out, lse
+
+    if not packed and not rotate and _gluon_forward_applies(q, k, softmax_scale, left, right):
+        from . import fp8_attention_sm90   # imports this module
+
+        def gluon_forward():
+            return fp8_attention_sm90.forward(q, k8, v8t, ks, vs, right == 0, softmax_scale)
+        if attn._gluon_wins("fp8_fwd", q, k, right, gluon_forward, triton_forward):
+            return gluon_forward()
+    return triton_forward()
+
+
+def _gluon_forward_applies(q, k, softmax_scale, left, right) -> bool:
+    """Whether fp8_attention_sm90's Gluon forward computes this dense, unrotated call (on the K/V passes'
+    operands): no window, equal sequence lengths, a 16-bit dtype, head_dim 64 or 128, a positive scale. Like
+    the bf16 Gluon kernels it is raced against the Triton kernel per key (attention._gluon_wins)."""
+    if not (attn._GLUON and q.is_cuda and left < 0 and right <= 0 and q.shape[1] == k.shape[1]
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128) and softmax_scale > 0
+            and q.shape[0] <= attn._MAX_GRID_YZ and q.shape[2] <= attn._MAX_GRID_YZ):
+        return False
+    from . import fp8_attention_sm90
+    return fp8_attention_sm90.available(q.device)
 
 
 def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):

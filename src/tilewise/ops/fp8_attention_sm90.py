@@ -1,7 +1,8 @@
 """FP8 (E4M3) flash-attention forward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-A prototype, not dispatched yet. Measured at 9a9ef10 (H200, bench/fp8_attention_sm90.py, d128, 4 x 4096 x 16
-heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
+fp8_attention._fp8_forward runs it for the dense, unrotated calls it covers, raced per key against the Triton
+kernel as the bf16 Gluon kernels are (attention._gluon_wins, key "fp8_fwd"). Measured at 9a9ef10 (H200,
+bench/fp8_attention_sm90.py, d128, 4 x 4096 x 16 heads, forward TFLOP/s): non-causal 756.7 for the kernel alone (config 64,128,2 with P in shared memory)
 and 689.7 with fp8_attention's K/V passes (0.12 ms of it), against 690.6 for fp8_attention's Triton forward
 (passes included) and 628.1 for attention_sm90's bf16 forward in that process; causal 620.9 / 549.6 against
 558.5 and 507.2. Its outputs agreed with the Triton FP8 forward's (max relative difference 0.2% at that
@@ -12,8 +13,8 @@ bench/README's command; TFLOP/s kernel alone, d128; a run's bf16 Gluon forward i
 - PERSISTENT (a config's sixth element; attention_sm90's schedule, one program per SM over the query-pair
   tiles): at 4 x 4096 x 16, 786.8 against 744.9 non-causal and 653.6 against 614.1 causal for (64,128,3,1,0,1)
   and (64,128,2,1) [604.8, 521.8]; at 1 x 16384 even non-causal (816.2 / 809.6) and slower causal (734.3 /
-  785.4) [623.3, 630.0]. Not the default yet (default_config would take it up to PERSISTENT_UP_TO tokens, as
-  in bf16): the gpu tests have not run with it (the machine was not lent again this session).
+  785.4) [623.3, 630.0]: the default at d128 up to attention_sm90.PERSISTENT_UP_TO tokens, as in bf16
+  (default_config).
 - PINGPONG (fifth element; the two warpgroups take turns issuing their wgmmas, attention_sm90's barriers):
   within 2% of the loose ping-pong in every cell (e.g. 742.8 / 737.4, 802.9 / 791.1), so off.
 - BLOCK_N 256 (P_SMEM=2: one P buffer per warpgroup in its bf16 Q tile's bytes, 181 KB of shared memory; two
@@ -112,10 +113,11 @@ CONFIGS = {
     128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
           (64, 64, 3), (64, 128, 4), (64, 64, 4), (64, 128, 3, 1, 0, 1), (64, 128, 2, 1, 0, 1),
           (64, 128, 2, 1, 1)],
-    64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4)],
+    64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4),
+         (64, 128, 3, 1, 0, 1)],
 }
 # The persistent config that is the default up to attention_sm90.PERSISTENT_UP_TO tokens, where measured.
-PERSISTENT_DEFAULT = {}   # measured best at d128: (64, 128, 3, 1, 0, 1), see the module docstring
+PERSISTENT_DEFAULT = {128: (64, 128, 3, 1, 0, 1)}
 
 
 def default_config(head_dim: int, seqlen=None) -> tuple:
