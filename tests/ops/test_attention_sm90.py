@@ -106,6 +106,18 @@ def test_gpu_ragged_seqlen(seqlen, head_dim, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (64, 128, 2), (64, 64, 3)])
+@pytest.mark.parametrize("seqlen", [130, 1100])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_tree_rows(head_dim, causal, seqlen, config, monkeypatch):
+    """TREE_ROWS (gluon_sm90.row_max / row_sum's trees): the chains' bounds, masked blocks included, at
+    BLOCK_N 128 and 64, the persistent default (None) and the grid schedule."""
+    monkeypatch.setattr(a9, "TREE_ROWS", True)
+    check(3, seqlen, 4, 2, head_dim, causal, config=config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_every_config(head_dim):
     for cfg in a9.CONFIGS[head_dim]:

@@ -132,6 +132,18 @@ def test_gpu_ragged_seqlen(seqlen, head_dim, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (64, 64, 3, 1), (64, 128, 2, 1)])
+@pytest.mark.parametrize("seqlen", [130, 1100])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_tree_rows(head_dim, causal, seqlen, config, monkeypatch):
+    """TREE_ROWS (gluon_sm90.row_max / row_sum's trees): the chains' bounds, masked blocks included, at
+    BLOCK_N 128 (three folds) and 64 (two; float64 bounds only, as test_gpu_every_config)."""
+    monkeypatch.setattr(f9, "TREE_ROWS", True)
+    check(3, seqlen, 4, 2, head_dim, causal, config=config, vs_triton=config is None or config[1] == 128)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_every_config(head_dim):
     """Every config against the float64 reference; those with the default's BLOCK_N (the Triton kernel's) also

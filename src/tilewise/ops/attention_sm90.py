@@ -78,10 +78,14 @@ import torch
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
-                         new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, stream_kv,
-                         tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
+                         new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum,
+                         stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
+# The softmax's row max and row sum as gluon_sm90.row_max / row_sum's trees (True) or gl.max / gl.sum's
+# chains (False: the kernel every figure here was measured with). The trees build for sm_90a with no spills
+# (checked ahead of time) but have not run on the GPU yet: bench/softmax_rows.py times one against the other.
+TREE_ROWS = False
 
 # (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the grid schedule's default. A
 # fourth element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it. A
@@ -114,7 +118,7 @@ if gl is not None:
                       O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      FIRST: gl.constexpr, PERSISTENT: gl.constexpr):
+                      FIRST: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks
             key blocks: S_j's wgmma and P_{j-1} V_{j-1}'s are in flight together, the softmax of S_j runs
             under the latter. With PINGPONG the two warpgroups take turns issuing their wgmmas (batch j of
@@ -167,9 +171,15 @@ if gl is not None:
                     if CAUSAL:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
-            m_i = gl.max(s, 1) * qk_scale
+            if TREE:
+                m_i = row_max(s, BLOCK_M, BLOCK_N, row_s) * qk_scale
+            else:
+                m_i = gl.max(s, 1) * qk_scale
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
-            l_i = gl.sum(p, 1)
+            if TREE:
+                l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s)
+            else:
+                l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
@@ -197,10 +207,16 @@ if gl is not None:
                     if CAUSAL:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                     s = gl.where(keep, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                if TREE:
+                    m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s) * qk_scale)
+                else:
+                    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
                 p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
                 alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
+                if TREE:
+                    l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s)
+                else:
+                    l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 p_next = gl.convert_layout(p.to(dtype), p_layout)
                 acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
@@ -248,7 +264,7 @@ if gl is not None:
         def _consumer_tiles(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, O, LSE, seqlen,
                             heads, group, n_pairs, units, section, n_tiles, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SECOND: gl.constexpr):
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr):
             """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's
             second with SECOND) of tiles pid, pid + nprog, ..., the producer's order. Tile i's Q is q_bar's
             phase i & 1; the ring's slots run on from tile to tile as the producer fills them."""
@@ -259,7 +275,7 @@ if gl is not None:
                                                          BLOCK_N, CAUSAL)
                 _consumer(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, q_free, q_free,
                           O, LSE, m0 + SECOND * BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, not SECOND, True)
+                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, not SECOND, True, TREE)
                 filled += n_blocks
                 q_phase ^= 1
 
@@ -268,7 +284,7 @@ if gl is not None:
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr):
+                           CONSUMER_REGS: gl.constexpr, TREE: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
             grid (programs,) of at most one per SM, each over tiles pid, pid + programs, ... in
             query_pair_tile's order (`section`: its causal section, in units of (batch, head))."""
@@ -297,10 +313,10 @@ if gl is not None:
                 gl.warp_specialize([
                     (_consumer_tiles, (q_tiles.index(0), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
                                        v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
-                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 0)),
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 0, TREE)),
                     (_consumer_tiles, (q_tiles.index(1), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
                                        v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
-                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, TREE)),
                     (produce_tiles, (q_desc, k_desc, v_desc, q_tiles.index(0), q_tiles.index(1), k_ring, v_ring,
                                      q_bar, q_free, k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs,
                                      units, section, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
@@ -312,11 +328,12 @@ if gl is not None:
                 gl.warp_specialize([
                     (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
                                  turn.index(0), turn.index(1), O, LSE, row0, seqlen, b, h, heads, n_blocks,
-                                 qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True, False)),
+                                 qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True, False,
+                                 TREE)),
                     (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
                                  turn.index(1), turn.index(0), O, LSE, row1, seqlen, b, h, heads, n_blocks,
                                  qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, False,
-                                 False)),
+                                 False, TREE)),
                     (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
                                  v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
                                  BLOCK_M, BLOCK_N, STAGES)),
@@ -342,7 +359,7 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
                                                    head_dim)
     q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  PERSISTENT=persistent, **ROLE_CONSTS)
+                  PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
              "v_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
@@ -443,5 +460,6 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
         section = 1
     _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, group, softmax_scale * LOG2E, batch,
                          section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-                         PINGPONG=pingpong, PERSISTENT=persistent, **ROLE_CONSTS, num_warps=num_warps)
+                         PINGPONG=pingpong, PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS,
+                         num_warps=num_warps)
     return o, lse

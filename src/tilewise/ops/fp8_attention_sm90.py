@@ -22,10 +22,16 @@ bench/README's command; TFLOP/s kernel alone, d128; a run's bf16 Gluon forward i
   128 on the GPU, so no CONFIGS entry). 781.9 against 737.4 at 4 x 4096 non-causal, 620.0 / 617.8 causal,
   799.8 / 791.1 and 846.4 / 771.9 at 1 x 16384, against BLOCK_N 128 in the same run: 1-10%.
 So the kernel alone is 1.25-1.31x the bf16 Gluon forward at these shapes and 1.09-1.30x with the K/V passes,
-short of the 1.4x the FP8 attention issue asks. What bounds it is not known. Estimated from the SASS (667
-instructions a key block per warp, 64 MUFU.EX2 a thread) at an assumed 1.8 GHz, issue, MUFU and the FP8
-tensor cores are each busy under 55% of a measured step at 1 x 16384: none is saturated (not profiled).
-ex2.approx.f16x2 would not halve the exp2s: ptxas makes it two MUFU.EX2.F16 on sm_90.
+short of the 1.4x the FP8 attention issue asks. ex2.approx.f16x2 would not halve the exp2s: ptxas makes it
+two MUFU.EX2.F16 on sm_90.
+Profiled at d9232eb (ncu, bench/attention_ncu.sh; bench/results/sm90/attention_ncu_fp8_fwd_d9232eb.json, 4 x
+4096 x 16 non-causal): the persistent default ran 683 us at a 1.79 GHz SM clock with the tensor pipe 41.5%
+busy (the bf16 Gluon forward: 72.1%) and 44.9% of issue slots used; no resource is saturated, the consumer
+warps are latency-bound. Their loop body (527 instructions a warp a key block) is stalled on fixed-latency
+dependencies (27% of its samples), issuing 24%, waiting on wgmmas and barriers 11%; by instruction the
+MUFU.EX2s (19%: the FFMA results they wait on, and the MUFU queue) and the row maxima's FMNMXs (18.5%:
+gl.max folds a thread's 32 values of a row in one dependent chain) lead. TREE_ROWS folds them as a tree
+(gluon_sm90.row_max / row_sum; same instruction count, no spills): not timed yet, so off.
 
 What it computes: exactly fp8_attention.py's forward kernel `_fp8_fwd` (dense layout, no rotation), on the
 operands that fp8_attention.py's own quantization pass `_quantize` (kernel `_fp8_quantize`) writes for
@@ -94,8 +100,8 @@ from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
                          fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
-                         on_sm90, produce_tiles, query_pair_tile, query_pair_work, stream_kv, tensordesc_type, tma,
-                         warpgroup_mma, warpgroup_mma_wait)
+                         on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum, stream_kv,
+                         tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers
@@ -116,6 +122,10 @@ CONFIGS = {
     64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4),
          (64, 128, 3, 1, 0, 1)],
 }
+# The softmax's row max and row sum as gluon_sm90.row_max / row_sum's trees (True) or gl.max / gl.sum's
+# chains (False: the kernel every figure here was measured with). The trees build for sm_90a with no spills
+# (checked ahead of time) but have not run on the GPU yet: bench/softmax_rows.py times one against the other.
+TREE_ROWS = False
 # The persistent config that is the default up to attention_sm90.PERSISTENT_UP_TO tokens, where measured.
 PERSISTENT_DEFAULT = {128: (64, 128, 3, 1, 0, 1)}
 
@@ -166,7 +176,8 @@ if gl is not None:
                       my_turn, other_turn, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
                       q_phase, filled, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                      P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, PERSISTENT: gl.constexpr):
+                      P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
+                      TREE: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h): quantize Q
             into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together.
             With PINGPONG the two warpgroups take turns issuing their batch of wgmmas (batch j of the FIRST,
@@ -225,9 +236,15 @@ if gl is not None:
                     keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
             c = qc * ks
-            m_i = gl.max(s, 1) * c
+            if TREE:
+                m_i = row_max(s, BLOCK_M, BLOCK_N, row_s) * c
+            else:
+                m_i = gl.max(s, 1) * c
             p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1))   # P * 256
-            l_i = gl.sum(p, 1)
+            if TREE:
+                l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s)
+            else:
+                l_i = gl.sum(p, 1)
             if P_SMEM == 1:
                 p_tiles.index(0).store(p.to(fp8))
                 fence_async_shared()
@@ -270,10 +287,16 @@ if gl is not None:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                     s = gl.where(keep, s, float("-inf"))
                 c = qc * ks
-                m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+                if TREE:
+                    m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s) * c)
+                else:
+                    m_new = gl.maximum(m_i, gl.max(s, 1) * c)
                 p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_new - 8.0, 1))
                 alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
+                if TREE:
+                    l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s)
+                else:
+                    l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 if P_SMEM == 1:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
                     p_next = p_tiles.index(j % 2)
@@ -337,7 +360,7 @@ if gl is not None:
                             O, LSE, KS, VS, ssb, ssh, seqlen, heads, group, n_pairs, units, section, n_tiles,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                            P_SMEM: gl.constexpr, SECOND: gl.constexpr):
+                            P_SMEM: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr):
             """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's second
             with SECOND) of tiles pid, pid + nprog, ..., the producer's order; tile i's Q is q_bar's phase
             i & 1, and the ring's slots run on from tile to tile."""
@@ -350,7 +373,7 @@ if gl is not None:
                 _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
                           q_free, q_free, O, LSE, KS, VS, s_base, m0 + SECOND * BLOCK_M, seqlen, b, h, heads,
                           n_blocks, qk_scale, q_phase, filled, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK,
-                          P_SMEM, False, not SECOND, True)
+                          P_SMEM, False, not SECOND, True, TREE)
                 filled += n_blocks
                 q_phase ^= 1
 
@@ -358,7 +381,7 @@ if gl is not None:
         def _fp8_fwd_sm90(q_desc, k_desc, v_desc, KS, VS, O, LSE, seqlen, heads, kv_heads, group, ssb, ssh,
                           qk_scale, batch, section, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                          P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+                          P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr,
                           PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
             grid (programs,) of at most one per SM over tiles pid, pid + programs, ... in query_pair_tile's
@@ -412,11 +435,11 @@ if gl is not None:
                     (_consumer_tiles, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full,
                                        v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
                                        n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0)),
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0, TREE)),
                     (_consumer_tiles, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full,
                                        v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
                                        n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1)),
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1, TREE)),
                     (produce_tiles, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free,
                                      k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs, units, section,
                                      n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
@@ -427,11 +450,11 @@ if gl is not None:
                     (_consumer, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full, v_full,
                                  k_free, v_free, turn.index(0), turn.index(1), O, LSE, KS, VS, s_base, m0, seqlen,
                                  b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                 KV_BLOCK, P_SMEM, PINGPONG, True, False)),
+                                 KV_BLOCK, P_SMEM, PINGPONG, True, False, TREE)),
                     (_consumer, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
                                  k_free, v_free, turn.index(1), turn.index(0), O, LSE, KS, VS, s_base,
                                  m0 + BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M,
-                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False)),
+                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False, TREE)),
                     (_producer, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, k_full, v_full,
                                  k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
                                  (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
@@ -464,7 +487,8 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     bm, bn, stages, p_smem, pingpong, persistent = _config(head_dim, config)
     q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
-                  P_SMEM=p_smem, PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), **ROLE_CONSTS)
+                  P_SMEM=p_smem, PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), TREE=TREE_ROWS,
+                  **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type("fp8e4nv", (bn, head_dim), k_layout),
              "v_desc": tensordesc_type("fp8e4nv", (head_dim, bn), v_layout),
@@ -578,7 +602,8 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     _fp8_fwd_sm90[grid](q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, group,
                         ks.stride(0), ks.stride(1), softmax_scale * LOG2E, batch, section, HEAD_DIM=d, BLOCK_M=bm,
                         BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=p_smem,
-                        PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), **ROLE_CONSTS, num_warps=num_warps)
+                        PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), TREE=TREE_ROWS, **ROLE_CONSTS,
+                        num_warps=num_warps)
     return o, lse
 
 
