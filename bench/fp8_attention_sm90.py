@@ -129,6 +129,7 @@ def run_cell(torch, triton, mods, shape, causal, rep, configs):
         else:
             cell["results"]["gluon_bf16"] = {"error": f"attention_sm90 unavailable: {a9._GLUON_ERROR}"}
         k8, v8t, ks, vs = f9.quantize_kv(k, v)
+        v8t_permuted = f9.quantize_kv(k, v, permuted=True)[1]   # for the P_SMEM=3 configs
         try:
             ms = time_ms(triton, lambda: f9.quantize_kv(k, v), rep)
             cell["results"]["kv_pass"] = {"ms": round(ms, 4), "note": "fp8_attention's K and V passes alone"}
@@ -139,7 +140,9 @@ def run_cell(torch, triton, mods, shape, causal, rep, configs):
             name = "gluon_fp8_" + "_".join(map(str, cfg))
             r = cell["results"][name] = {"config": list(cfg)}
             try:
-                o, lse = f9.forward(q, k8, v8t, ks, vs, causal, scale, config=cfg)
+                permuted = f9._config(d, cfg)[3] == f9.P_PERMUTED
+                vt = v8t_permuted if permuted else v8t
+                o, lse = f9.forward(q, k8, vt, ks, vs, causal, scale, config=cfg, v_permuted=permuted)
                 torch.cuda.synchronize()
                 r["max_rel_o_vs_triton_fp8"] = max_rel(o, ref_o)
                 r["max_abs_lse_vs_triton_fp8"] = (lse - ref_lse).abs().max().item()
@@ -147,7 +150,8 @@ def run_cell(torch, triton, mods, shape, causal, rep, configs):
                 r["correct"] = (not r["nan"] and r["max_rel_o_vs_triton_fp8"] < MAX_REL
                                 and r["max_abs_lse_vs_triton_fp8"] < MAX_LSE)
                 if r["correct"]:
-                    ms = time_ms(triton, lambda: f9.forward(q, k8, v8t, ks, vs, causal, scale, config=cfg), rep)
+                    ms = time_ms(triton, lambda: f9.forward(q, k8, vt, ks, vs, causal, scale, config=cfg,
+                                                            v_permuted=permuted), rep)
                     r["kernel"] = {"ms": round(ms, 4), "tflops": tflops(b, n, h, d, causal, ms)}
                     ms = time_ms(triton, lambda: f9.fp8_forward(q, k, v, causal, scale, config=cfg), rep)
                     r["with_pass"] = {"ms": round(ms, 4), "tflops": tflops(b, n, h, d, causal, ms)}
@@ -155,7 +159,7 @@ def run_cell(torch, triton, mods, shape, causal, rep, configs):
                 r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc(limit=3)
             print(f"  {name:28} {r}", flush=True)
-    del q, k, v, k8, v8t
+    del q, k, v, k8, v8t, v8t_permuted
     torch.cuda.empty_cache()
     return cell
 

@@ -349,6 +349,35 @@ def test_transposed_copies_match_row_copies(packed, dtype, device):
     assert not transposed_copy_problems(70, 2, 32, dtype, device, packed)
 
 
+@pytest.mark.parametrize("n", [70, 48, 5])
+def test_key_permuted_transposed_copy(n, device):
+    """_quantize(permuted=True), the V^T copy fp8_attention_sm90's P_SMEM=3 path reads: token r's column at
+    operand_order(r), a permutation inside each group of 16 (so a tile of 16k keys holds the same keys), the
+    bytes those of the plain transposed copy, and the padding (columns past n, wherever they land) zero."""
+    torch.manual_seed(0)
+    x = torch.randn(2, n, 2, 32, device=device).to(torch.bfloat16) * 3
+    _, plain, s_plain = f8._quantize(x, None, None, 2, n, n, rowwise=False, rows=False, transposed=True)
+    _, perm, s_perm = f8._quantize(x, None, None, 2, n, n, rowwise=False, rows=False, transposed=True,
+                                   permuted=True)
+    padded = plain.shape[-1]
+    order = f8.operand_order(padded).to(device)
+    assert torch.equal(torch.sort(order).values, torch.arange(padded, device=device))
+    assert torch.equal(order // 16, torch.arange(padded, device=device) // 16)
+    assert torch.equal(s_plain, s_perm)
+    assert torch.equal(perm[..., order].view(torch.uint8), plain.view(torch.uint8))
+    assert not perm[..., order[n:]].view(torch.uint8).any()
+    # the Gluon kernel's reordering of P's columns (_operand_order: reshape, permute, reshape), as torch ops
+    p = torch.arange(3 * 128).reshape(3, 128)
+    reordered = p.reshape(3, 4, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(3, 128)
+    assert torch.equal(reordered[:, f8.operand_order(128)], p)
+
+
+def test_key_permuted_copy_refuses_other_layouts(device):
+    x = torch.randn(1, 16, 1, 32, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="permuted"):
+        f8._quantize(x, None, None, 1, 16, 16, rowwise=False, permuted=True)
+
+
 # ------------------------------------------------------------------------------------------ accuracy
 
 def test_rotation_beats_naive_per_tensor_fp8_on_outlier_inputs(device, tma):

@@ -218,3 +218,8 @@ def test_gpu_unsupported_raises_value_error():
     with pytest.raises(ValueError, match="bf16"):
         x = torch.randn(1, 128, 2, 128, device="cuda")
         f9.fp8_forward(x, x, x, causal=False, softmax_scale=0.1)
+    k8, v8t, ks, vs = f9.quantize_kv(q, q)   # the plain V^T copy: a P_SMEM=3 config must refuse it
+    with pytest.raises(ValueError, match="v_permuted"):
+        f9.forward(q, k8, v8t, ks, vs, False, 0.1, config=(64, 128, 2, f9.P_PERMUTED))
+    with pytest.raises(ValueError, match="v_permuted"):
+        f9.forward(q, k8, v8t, ks, vs, False, 0.1, config=(64, 128, 2, 1), v_permuted=True)

@@ -201,6 +201,23 @@ def _t_start(CU_T, b, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _operand_column(r):
+    """Where token r goes in a key-permuted transposed copy (operand_order): inside each group of 16 tokens,
+    bits 3, 2, 1 of r move to bits 1, 3, 2."""
+    return (r & ~14) | (((r >> 3) & 1) << 1) | (((r >> 1) & 1) << 2) | (((r >> 2) & 1) << 3)
+
+
+def operand_order(n: int) -> torch.Tensor:
+    """The key permutation of a key-permuted transposed V copy (`_quantize(..., permuted=True)`), as an index:
+    copy[..., operand_order(n)[r]] is token r (n a multiple of 16). fp8_attention_sm90's register P path
+    reorders P's columns the same way, so that its E4M3 P moves from the wgmma accumulator layout to the
+    A-operand layout inside each thread's registers; the product P V does not change under a permutation of
+    the keys applied to both."""
+    r = torch.arange(n)
+    return (r & ~14) | (((r >> 3) & 1) << 1) | (((r >> 1) & 1) << 2) | (((r >> 2) & 1) << 3)
+
+
+@triton.jit
 def _acc_rows(acc, c, x, x_mult, amax, y8, EMU: tl.constexpr):
     """acc += (x * x_mult) @ y8 on FP8 tensor cores. x is quantized per row against c, the running row
     maximum of |x * x_mult| (amax: this tile's), and acc is kept in units of c's scale: rescaled (by a power
@@ -223,12 +240,13 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
                   sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
                   ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, T_HEAD: tl.constexpr,
-                  VARLEN: tl.constexpr, EMU: tl.constexpr):
+                  VARLEN: tl.constexpr, EMU: tl.constexpr, PERMUTE_T: tl.constexpr = False):
     """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
     copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens; packed:
     heads, head_dim, tokens with each sequence starting at CU_T) and the
     scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks).
-    T_HEAD: the transposed copy is scaled by _scales(TA[head]) instead (an amax per head; no rotation)."""
+    T_HEAD: the transposed copy is scaled by _scales(TA[head]) instead (an amax per head; no rotation).
+    PERMUTE_T: the transposed copy's tokens in operand_order (dense layout only)."""
     h = tl.program_id(1)
     b = tl.program_id(2) + b0
     start, sl, _ = _seq_bounds(CU, b, seqlen, seqlen, VARLEN)
@@ -250,7 +268,8 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
         _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
     if WRITE_T:
         tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
-        ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + rows[None, :]
+        cols = _operand_column(rows) if PERMUTE_T else rows
+        ptrs = X8T + b64 * stb + h64 * sth + offs_d.to(tl.int64)[:, None] * std + tstart + cols[None, :]
         if T_HEAD:
             inv, _ = _scales(tl.load(TA + h))
             xt8 = _e4m3(tl.trans(x.to(tl.float32)) * inv, EMU)
@@ -726,14 +745,15 @@ def _t_offsets(cu):
 def _new_transposed(x, packed, batch):
     """The transposed copy of x: (batch, heads, head_dim, tokens padded to 16), or packed (heads, head_dim,
     columns) with room for every sequence rounded up to 16 tokens. Rows of 16-byte multiples, so TMA can
-    tile it; the padding (which tiles running past a sequence read) is zero, never NaN."""
+    tile it; the padding (which tiles running past a sequence read) is zero, never NaN: from the last whole
+    group of 16 on, as a key-permuted copy (operand_order) leaves some of that group's earlier columns to it."""
     heads, head_dim = x.shape[-2], x.shape[-1]
     if packed:
         cols = _cdiv(x.shape[0] + 16 * batch, 16) * 16
         return torch.zeros((heads, head_dim, cols), dtype=_FP8, device=x.device)
     n = x.shape[1]
     t = _new((x.shape[0], heads, head_dim, _cdiv(max(n, 1), 16) * 16), _FP8, x.device)
-    t[..., n:].zero_()
+    t[..., n // 16 * 16:].zero_()
     return t
 
 
@@ -743,11 +763,14 @@ def _t_strides(t, packed):
 
 
 def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=True, transposed=False,
-              t_amax=None):
+              t_amax=None, permuted=False):
     """E4M3 copies of x (q/k/v layout) and its scales: (x8 or None, x8t or None, scales). Row scales have
     the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows). t_amax: a float32 amax per
-    head that scales the transposed copy instead (see _head_amax)."""
+    head that scales the transposed copy instead (see _head_amax). permuted: the transposed copy's tokens in
+    operand_order (dense layout only; what fp8_attention_sm90's register P path reads)."""
     packed = cu is not None
+    if permuted and (packed or not transposed):
+        raise ValueError("fp8_attention._quantize: permuted is for the dense layout's transposed copy")
     heads, head_dim = x.shape[-2], x.shape[-1]
     dev = x.device
     x8 = _new(x.shape, _FP8, dev) if rows else None
@@ -779,7 +802,7 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
                 *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
                 WRITE_ROWS=write_rows, WRITE_T=write_t, T_HEAD=t_amax is not None, VARLEN=packed,
-                EMU=_INTERPRET, num_warps=warps)
+                EMU=_INTERPRET, PERMUTE_T=permuted and write_t, num_warps=warps)
     return x8, x8t, scales
 
 

@@ -67,11 +67,11 @@ Inside a consumer warpgroup (FA3's intra-warpgroup overlap): at key block j issu
 operands in shared memory), then O += P_{j-1} V_{j-1} (V^T's tile K-major in shared memory; P_{j-1} in E4M3
 either in shared memory, two buffers per warpgroup, config P_SMEM=1, the default, or in registers in the
 k_width 4 dot-operand layout, P_SMEM=0, or in one buffer per warpgroup that is stored after P_{j-1} V_{j-1}
-is waited for, P_SMEM=2), wait only for S_j, run the softmax of S_j while P_{j-1} V_{j-1} is
-on the tensor cores, then wait for it and rescale O. (Triton 3.6's wgmma wait cannot keep an 8-bit register
-operand alive as a dependency, "Unexpected bitwidth in WGMMAWaitGroupOp: 8", so the register path waits on
-the accumulator alone and relies on ptxas, which sees the wgmma read those registers; in the SASS they are
-not rewritten before the wait.)
+is waited for, P_SMEM=2, or in registers against a key-permuted V^T, P_SMEM=3, see CONFIGS), wait only for
+S_j, run the softmax of S_j while P_{j-1} V_{j-1} is on the tensor cores, then wait for it and rescale O.
+(Triton 3.6's wgmma wait cannot keep an 8-bit register operand alive as a dependency, "Unexpected bitwidth
+in WGMMAWaitGroupOp: 8", so the register paths wait on the accumulator alone and rely on ptxas, which sees
+the wgmma read those registers; in the SASS they are not rewritten before the wait.)
 
 Masking: a key block reaching past the causal diagonal of the tile's first row or past the end of the
 sequence is masked (a branch: interior blocks pay nothing); K rows past the end (the next sequence's, or
@@ -114,13 +114,20 @@ KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block
 # shared-memory path 32 2-byte stores, a fence and a warpgroup barrier. Which is faster is for the H200 to say.
 # The shared-memory path is the default: its non-causal key-block loop is 667 SASS instructions against
 # 899 (the bf16 Gluon kernel's: 590); that the loop's issue bounds it was a guess (see the module docstring).
+# P_SMEM=3 (P_PERMUTED) keeps P in registers with the keys of V^T in fp8_attention.operand_order (the K/V
+# pass's `permuted` copy, forward(v_permuted=True)): the layout change then moves no data (_operand_order),
+# and P crosses the loop's back edge in float32, cast at its wgmma (_p_operand). Its grid configs build
+# without spills and with fewer loop instructions than P_SMEM=1 (no P stores, fence or barrier; the SASS
+# checked ahead of time); with PERSISTENT it spills (27 words non-causal), so no such entry. Not timed on the
+# GPU yet, so no default uses it.
 # (.., P_SMEM, PINGPONG, PERSISTENT): see the module docstring; PERSISTENT with neither PINGPONG nor P_SMEM=2.
+P_PERMUTED = 3
 CONFIGS = {
     128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
           (64, 64, 3), (64, 128, 4), (64, 64, 4), (64, 128, 3, 1, 0, 1), (64, 128, 2, 1, 0, 1),
-          (64, 128, 2, 1, 1)],
+          (64, 128, 2, 1, 1), (64, 128, 2, 3), (64, 128, 3, 3), (64, 128, 2, 3, 1)],
     64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4),
-         (64, 128, 3, 1, 0, 1)],
+         (64, 128, 3, 1, 0, 1), (64, 128, 3, 3)],
 }
 # The softmax's row max and row sum as gluon_sm90.row_max / row_sum's trees (True) or gl.max / gl.sum's
 # chains (False: the kernel every figure here was measured with). The trees build for sm_90a with no spills
@@ -144,8 +151,9 @@ def _config(head_dim, config, seqlen=None):
         raise ValueError(f"fp8_attention_sm90: config {cfg} is not (BLOCK_M, BLOCK_N, STAGES[, P_SMEM[, PINGPONG"
                          f"[, PERSISTENT]]])")
     bm, bn, stages, p_smem, pingpong, persistent = (*cfg, 0, 0, 0)[:6]
-    if p_smem not in (0, 1, 2) or pingpong not in (0, 1) or persistent not in (0, 1):
-        raise ValueError(f"fp8_attention_sm90: config {cfg}: P_SMEM is 0, 1 or 2, PINGPONG and PERSISTENT 0 or 1")
+    if p_smem not in (0, 1, 2, P_PERMUTED) or pingpong not in (0, 1) or persistent not in (0, 1):
+        raise ValueError(f"fp8_attention_sm90: config {cfg}: P_SMEM is 0, 1, 2 or {P_PERMUTED}, PINGPONG and "
+                         f"PERSISTENT 0 or 1")
     if persistent and (pingpong or p_smem == 2):
         raise ValueError(f"fp8_attention_sm90: config {cfg}: PERSISTENT combines with neither PINGPONG (its turns "
                          f"count one tile's batches) nor P_SMEM=2 (the next tile's Q loads into that P buffer)")
@@ -170,6 +178,34 @@ if gl is not None:
             inv = ((e + 127) << 23).to(gl.float32, bitcast=True)
             scale = ((127 - e) << 23).to(gl.float32, bitcast=True)
             return gl.where(live, inv, 0.0), scale
+
+        @gluon.jit
+        def _e4m3_words(x):
+            """x.to(float8e4nv), four consecutive elements of a thread to one 32-bit word with two cvt.e4m3x2
+            (the same rounding: to nearest even, saturating to +-448)."""
+            y = gl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+                "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
+            return y.to(gl.float8e4nv, bitcast=True)
+
+        @gluon.jit
+        def _operand_order(p8, M: gl.constexpr, N: gl.constexpr):
+            """P's columns in fp8_attention.operand_order (bits 3, 2, 1 of a key to bits 1, 3, 2 inside each
+            16): as the A operand of P V^T with the keys of V^T so permuted, an E4M3 P in the wgmma
+            accumulator layout reaches the k_width 4 operand layout without leaving its thread's registers
+            (checked ahead of time: no SHFL, PRMT or shared memory in the conversion)."""
+            x = gl.reshape(p8, [M, N // 32, 2, 2, 2, 2, 2])   # key bits 6-5, 4, 3, 2, 1, 0
+            return gl.reshape(gl.permute(x, [0, 1, 2, 4, 5, 3, 6]), [M, N])
+
+        @gluon.jit
+        def _p_operand(p_op, p_layout: gl.constexpr, M: gl.constexpr, N: gl.constexpr, P_SMEM: gl.constexpr):
+            """P V's A operand from what the loop carries: with P_SMEM=3 the float32 P, cast here, at the wgmma
+            (an 8-bit tensor carried across the loop's back edge lives one element a register, and ptxas then
+            spends two PRMTs a pair taking it apart and packing it again); else p_op itself."""
+            if P_SMEM == 3:
+                return _e4m3_words(gl.convert_layout(_operand_order(p_op, M, N), p_layout))
+            else:
+                return p_op
 
         @gluon.jit
         def _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
@@ -255,6 +291,8 @@ if gl is not None:
                 fence_async_shared()
                 gl.thread_barrier()
                 p_op = p_tiles
+            elif P_SMEM == 3:
+                p_op = p   # float32 across the loop's back edge (see _p_operand)
             else:
                 p_op = gl.convert_layout(p.to(fp8), p_layout)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -275,7 +313,8 @@ if gl is not None:
                     mbarrier.wait(my_turn, (j - FIRST) & 1)
                 s_tok = warpgroup_mma(q8_tile, k_ring.index(stage).permute((1, 0)), zero_s, use_acc=False,
                                       is_async=True)
-                o_tok = warpgroup_mma(p_op, v_ring.index(prev).permute((1, 0)), acc, is_async=True)
+                o_tok = warpgroup_mma(_p_operand(p_op, p_layout, BLOCK_M, BLOCK_N, P_SMEM),
+                                      v_ring.index(prev).permute((1, 0)), acc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(other_turn)
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))   # S_j done, P_{j-1} V_{j-1} may still run
@@ -304,6 +343,8 @@ if gl is not None:
                     fence_async_shared()
                 elif P_SMEM == 2:
                     p8 = p.to(fp8)
+                elif P_SMEM == 3:
+                    p_next = p
                 else:
                     p_next = gl.convert_layout(p.to(fp8), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(o_tok, ))   # (an E4M3 p_op cannot be a dep in 3.6)
@@ -316,14 +357,15 @@ if gl is not None:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha * (vs_i / vs), row_o), 1)
                 vs_i = vs
                 p_op = p_next
-                if P_SMEM:
+                if P_SMEM == 1 or P_SMEM == 2:
                     gl.thread_barrier()   # every thread's share of P_j stored before its wgmma
 
             last = (filled + n_blocks - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((filled + n_blocks - 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (n_blocks - FIRST) & 1)
-            o_tok = warpgroup_mma(p_op, v_ring.index(last).permute((1, 0)), acc, is_async=True)
+            o_tok = warpgroup_mma(_p_operand(p_op, p_layout, BLOCK_M, BLOCK_N, P_SMEM),
+                                  v_ring.index(last).permute((1, 0)), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(other_turn)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
@@ -538,7 +580,7 @@ def _check_qkv(q, k, v, causal, softmax_scale, rotate):
 
 
 def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: bool = False, config=None,
-            num_warps: int = 4):
+            v_permuted: bool = False, num_warps: int = 4):
     """(o, lse) of FP8 attention from the operands fp8_attention._fp8_forward prepares for `_fp8_fwd`, for
     the dense layout: q (batch, seqlen, heads_q, d) bf16/fp16 (quantized per row in the kernel; the scratch
     copy q8 `_fp8_forward` allocates is not needed); k8 E4M3 (batch, seqlen, heads_kv, d) and ks, from
@@ -547,7 +589,8 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     (batch, heads_kv, cdiv(seqlen, 128)). softmax_scale: natural units (the kernel folds log2 e in).
     Returns o (q's shape and dtype, contiguous) and lse (float32 natural log, (batch, heads_q, seqlen)), as
     `_fp8_forward`. config: (BLOCK_M per warpgroup, BLOCK_N, STAGES[, P_SMEM[, PINGPONG[, PERSISTENT]]]),
-    default default_config(d, seqlen). Raises
+    default default_config(d, seqlen). v_permuted: v8t is the key-permuted copy (quantize_kv(permuted=True)),
+    which a P_SMEM=3 config needs and every other refuses. Raises
     ValueError for what it does not support (the caller keeps `_fp8_fwd`)."""
     _check_qkv(q, k8, v8t, causal, softmax_scale, rotate)
     batch, seqlen, heads, d = q.shape
@@ -573,6 +616,9 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     if any(t.device != q.device for t in (k8, v8t, ks, vs)):
         _fail("all operands on q's device")
     bm, bn, stages, p_smem, pingpong, persistent = _config(d, config, seqlen)
+    if (p_smem == P_PERMUTED) != bool(v_permuted):
+        _fail(f"config P_SMEM={p_smem} with v_permuted={bool(v_permuted)}: P_SMEM={P_PERMUTED} reads the "
+              f"key-permuted V^T copy (quantize_kv(permuted=True)), every other config the plain one")
     if KV_BLOCK_GPU % bn or bn < 32:
         _fail(f"BLOCK_N {bn} must divide {KV_BLOCK_GPU} and be >= 32")
     q = q.contiguous()
@@ -607,11 +653,13 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     return o, lse
 
 
-def quantize_kv(k, v):
-    """fp8_attention._fp8_forward's K/V passes for the dense layout: (k8, v8t, ks, vs), the same calls."""
+def quantize_kv(k, v, permuted: bool = False):
+    """fp8_attention._fp8_forward's K/V passes for the dense layout: (k8, v8t, ks, vs), the same calls;
+    permuted: V^T's keys in fp8_attention.operand_order (for the P_SMEM=3 configs)."""
     batch, seqlen = k.shape[0], k.shape[1]
     k8, _, ks = f8._quantize(k, None, None, batch, seqlen, seqlen, rowwise=False)
-    _, v8t, vs = f8._quantize(v, None, None, batch, seqlen, seqlen, rowwise=False, rows=False, transposed=True)
+    _, v8t, vs = f8._quantize(v, None, None, batch, seqlen, seqlen, rowwise=False, rows=False, transposed=True,
+                              permuted=permuted)
     return k8, v8t, ks, vs
 
 
@@ -630,5 +678,6 @@ def fp8_forward(q, k, v, causal: bool, softmax_scale: float, *, rotate: bool = F
         _fail(f"seqlen_q != seqlen_k ({q.shape[1]} != {k.shape[1]}) is not supported")
     if q.shape[2] % k.shape[2]:
         _fail(f"heads_q {q.shape[2]} is not a multiple of heads_kv {k.shape[2]}")
-    k8, v8t, ks, vs = quantize_kv(k, v)
-    return forward(q, k8, v8t, ks, vs, causal, softmax_scale, config=config)
+    permuted = _config(q.shape[-1], config, q.shape[1])[3] == P_PERMUTED
+    k8, v8t, ks, vs = quantize_kv(k, v, permuted)
+    return forward(q, k8, v8t, ks, vs, causal, softmax_scale, config=config, v_permuted=permuted)
