@@ -211,6 +211,17 @@ def summary(cells):
               f"  triton_fp8 {tri}  gluon_bf16 {bf16}  FP8/bf16-Gluon {ratio}")
 
 
+def _configs(defaults, spec):
+    """CONFIGS with the kinds `spec` names ('dkdv:64,64,3,1;...') replaced, for every head_dim."""
+    if not spec:
+        return defaults
+    chosen = {}
+    for item in spec.split(";"):
+        kind, _, cfg = item.partition(":")
+        chosen.setdefault(kind.strip(), []).append(tuple(int(x) for x in cfg.split(",")))
+    return {kind: ({d: chosen[kind] for d in by_d} if kind in chosen else by_d) for kind, by_d in defaults.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for fp8_attention_sm90_bwd.json (--aot-only: _aot.json)")
@@ -221,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,fp16", help="--aot-only: gradient dtypes to build")
     p.add_argument("--json", action="store_true", help="--aot-only: one JSON list on the last line")
     p.add_argument("--shapes", default=None, metavar="B,N,H,D;...", help="shapes instead of the three defaults")
+    p.add_argument("--configs", default=None, metavar="KIND:A,B,STAGES,P_SMEM;...",
+                   help="configs to time instead of fp8_attention_sm90_bwd.CONFIGS, e.g. 'dkdv:64,64,3,1;dq:64,64,3,1' "
+                        "(a kind not named keeps its CONFIGS; head_dim from each shape)")
     args = p.parse_args(argv)
     if args.aot_only:
         return aot_main(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")], args.dtypes.split(","),
@@ -257,7 +271,7 @@ def main(argv=None) -> int:
             print(f"{shape} causal={causal}", flush=True)
             try:
                 result["cells"].append(run_cell(torch, triton, (f8, fb, att, b9), shape, causal, args.rep,
-                                                fb.CONFIGS))
+                                                _configs(fb.CONFIGS, args.configs)))
             except Exception as e:  # noqa: BLE001 - a cell that crashes (OOM, a baseline) is reported
                 traceback.print_exc(limit=3)
                 result["cells"].append({"shape": list(shape), "causal": causal,
