@@ -745,8 +745,9 @@ def _t_offsets(cu):
 def _new_transposed(x, packed, batch):
     """The transposed copy of x: (batch, heads, head_dim, tokens padded to 16), or packed (heads, head_dim,
     columns) with room for every sequence rounded up to 16 tokens. Rows of 16-byte multiples, so TMA can
-    tile it; the padding (which tiles running past a sequence read) is zero, never NaN: from the last whole
-    group of 16 on, as a key-permuted copy (operand_order) leaves some of that group's earlier columns to it."""
+    tile it; the padding (which tiles running past a sequence read) is zero, never NaN: zeroed from the start
+    of the 16-token group the sequence ends in, since a key-permuted copy (operand_order) leaves some of that
+    group's earlier columns to the padding."""
     heads, head_dim = x.shape[-2], x.shape[-1]
     if packed:
         cols = _cdiv(x.shape[0] + 16 * batch, 16) * 16

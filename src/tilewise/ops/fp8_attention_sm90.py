@@ -189,12 +189,12 @@ if gl is not None:
             return y.to(gl.float8e4nv, bitcast=True)
 
         @gluon.jit
-        def _operand_order(p8, M: gl.constexpr, N: gl.constexpr):
+        def _operand_order(p, M: gl.constexpr, N: gl.constexpr):
             """P's columns in fp8_attention.operand_order (bits 3, 2, 1 of a key to bits 1, 3, 2 inside each
-            16): as the A operand of P V^T with the keys of V^T so permuted, an E4M3 P in the wgmma
-            accumulator layout reaches the k_width 4 operand layout without leaving its thread's registers
-            (checked ahead of time: no SHFL, PRMT or shared memory in the conversion)."""
-            x = gl.reshape(p8, [M, N // 32, 2, 2, 2, 2, 2])   # key bits 6-5, 4, 3, 2, 1, 0
+            16): as the A operand of P V^T with the keys of V^T so permuted, P in the wgmma accumulator layout
+            reaches the k_width 4 operand layout without leaving its thread's registers (a standalone sm_90a
+            build of the conversion has no SHFL, PRMT or shared-memory access)."""
+            x = gl.reshape(p, [M, N // 32, 2, 2, 2, 2, 2])   # key bits 6-5, 4, 3, 2, 1, 0
             return gl.reshape(gl.permute(x, [0, 1, 2, 4, 5, 3, 6]), [M, N])
 
         @gluon.jit
