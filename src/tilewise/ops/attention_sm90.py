@@ -171,15 +171,9 @@ if gl is not None:
                     if CAUSAL:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
-            if TREE:
-                m_i = row_max(s, BLOCK_M, BLOCK_N, row_s) * qk_scale
-            else:
-                m_i = gl.max(s, 1) * qk_scale
+            m_i = row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * qk_scale
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
-            if TREE:
-                l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s)
-            else:
-                l_i = gl.sum(p, 1)
+            l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
@@ -207,16 +201,10 @@ if gl is not None:
                     if CAUSAL:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                     s = gl.where(keep, s, float("-inf"))
-                if TREE:
-                    m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s) * qk_scale)
-                else:
-                    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * qk_scale)
                 p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
                 alpha = gl.exp2(m_i - m_new)
-                if TREE:
-                    l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s)
-                else:
-                    l_i = l_i * alpha + gl.sum(p, 1)
+                l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
                 m_i = m_new
                 p_next = gl.convert_layout(p.to(dtype), p_layout)
                 acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))

@@ -272,15 +272,9 @@ if gl is not None:
                     keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
             c = qc * ks
-            if TREE:
-                m_i = row_max(s, BLOCK_M, BLOCK_N, row_s) * c
-            else:
-                m_i = gl.max(s, 1) * c
+            m_i = row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * c
             p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1))   # P * 256
-            if TREE:
-                l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s)
-            else:
-                l_i = gl.sum(p, 1)
+            l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
             if P_SMEM == 1:
                 p_tiles.index(0).store(p.to(fp8))
                 fence_async_shared()
@@ -326,16 +320,10 @@ if gl is not None:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                     s = gl.where(keep, s, float("-inf"))
                 c = qc * ks
-                if TREE:
-                    m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s) * c)
-                else:
-                    m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+                m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * c)
                 p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_new - 8.0, 1))
                 alpha = gl.exp2(m_i - m_new)
-                if TREE:
-                    l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s)
-                else:
-                    l_i = l_i * alpha + gl.sum(p, 1)
+                l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
                 m_i = m_new
                 if P_SMEM == 1:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
                     p_next = p_tiles.index(j % 2)

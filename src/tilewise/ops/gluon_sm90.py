@@ -152,24 +152,26 @@ query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = None
 if gluon is not None:
     try:
         @gluon.jit
-        def row_max(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr):
-            """gl.max(x, 1) of an (M, N) wgmma accumulator as a tree: the column halves are folded in registers
-            (a reshape to (M, 2, N / 2) moves no data: the top column bit is a register bit of the layout)
-            down to 8 columns, then gl.max (its in-thread pair and quad shuffles). gl.max alone folds a
+        def row_max(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr, TREE: gl.constexpr):
+            """gl.max(x, 1) of an (M, N) wgmma accumulator; with TREE as a tree: the column halves are folded
+            in registers (a reshape to (M, 2, N / 2) moves no data: the top column bit is a register bit of the
+            layout) down to 8 columns, then gl.max (its in-thread pair and quad shuffles). gl.max alone folds a
             thread's N / 4 values of a row in one dependent chain; ncu on the FP8 forward found its FMNMXs
-            the most stalled instructions (fixed-latency waits). ROW: the layout of gl.max(x, 1) (the same
-            distribution under another name: the conversion moves nothing)."""
-            for i in gl.static_range(0, 8):
-                if (N >> i) > 8:
-                    x = gl.max(gl.reshape(x, [M, 2, (N >> i) // 2]), 1)
+            the most stalled instructions (fixed-latency waits). ROW: the layout of gl.max(x, 1) (the tree's
+            result is the same distribution under another name: the conversion moves nothing)."""
+            if TREE:
+                for i in gl.static_range(0, 8):
+                    if (N >> i) > 8:
+                        x = gl.max(gl.reshape(x, [M, 2, (N >> i) // 2]), 1)
             return gl.convert_layout(gl.max(x, 1), ROW)
 
         @gluon.jit
-        def row_sum(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr):
-            """gl.sum(x, 1) as row_max's tree (a different float32 summation order than gl.sum's chain)."""
-            for i in gl.static_range(0, 8):
-                if (N >> i) > 8:
-                    x = gl.sum(gl.reshape(x, [M, 2, (N >> i) // 2]), 1)
+        def row_sum(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr, TREE: gl.constexpr):
+            """gl.sum(x, 1); with TREE as row_max's tree (a different float32 summation order)."""
+            if TREE:
+                for i in gl.static_range(0, 8):
+                    if (N >> i) > 8:
+                        x = gl.sum(gl.reshape(x, [M, 2, (N >> i) // 2]), 1)
             return gl.convert_layout(gl.sum(x, 1), ROW)
 
         @gluon.jit
