@@ -30,11 +30,15 @@ def test_cpu_runs_judge_and_merge(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "convergence.json").read_text())
     rows = {r["shape"]["variant"]: r for r in result["rows"]}
+    curves = {run["variant"]: run["curve"] for run in result["runs"]}
     assert set(rows) == {"bf16", "fp8_delayed", "attn_fp8"}
     for name in ("fp8_delayed", "attn_fp8"):
         row = rows[name]
         assert np.isfinite(row["tilewise"]) and row["bf16"] == rows["bf16"]["tilewise"]
         assert abs(row["rel_gap"] - (row["tilewise"] - row["bf16"]) / row["bf16"]) < 1e-4
-        assert row["tilewise"] != row["bf16"] and row["same_setup"]     # the option changed the numerics
+        assert row["same_setup"]
+        # the option changed the numerics: seen in the training losses (~1e-4 apart a step here), not the final
+        # val loss, which after 6 steps of FP8 attention can land on bf16's float32 value exactly
+        assert curves[name] != curves["bf16"], name
     assert all(len(run["curve"]) == 6 for run in result["runs"])
     assert (out / "convergence.png").stat().st_size > 1000
