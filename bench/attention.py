@@ -334,8 +334,9 @@ def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, det
     quantization passes), after checking each FP8 result against the bf16 kernel's."""
     shape, q, k, v, dout, fwd_flops = cell_inputs(torch, head_dim, seqlen, causal)
     seen = {kern: len(rows) for kern, rows in f8.tuning_report().items()}
+    host = {}
     results, notes, diffs = check_then_time(torch, triton, [(n, *p) for n, p in provs.items()], (q, k, v, dout),
-                                            causal, rep, fwd_flops, FP8_AGREE_TOL)
+                                            causal, rep, fwd_flops, FP8_AGREE_TOL, host)
     tuned = {kern: entries[seen.get(kern, 0):] for kern, entries in f8.tuning_report().items()}
     rows = []
     for direction in ("fwd", "bwd"):
@@ -352,7 +353,12 @@ def bench_fp8_shape(torch, triton, f8, provs, head_dim, seqlen, causal, rep, det
             row["notes"] = notes
         rows.append(row)
         kernels = ("fp8_fwd",) if direction == "fwd" else ("fp8_dkdv", "fp8_dq")
-        details.append({"shape": row["shape"], "tuning": {kern: tuned[kern] for kern in kernels if tuned.get(kern)}})
+        tuning = {kern: tuned[kern] for kern in kernels if tuned.get(kern)}
+        races = [r for r in tuned.get("gluon_vs_triton", []) if r["key"]["pass"] == f"fp8_{direction}"]
+        if races:
+            tuning["gluon_vs_triton"] = races
+        details.append({"shape": row["shape"], "host_us": {n: h[direction] for n, h in host.items()},
+                        "tuning": tuning})
     return rows
 
 

@@ -492,7 +492,8 @@ def test_config_choice_times_skips_and_caches(fake_gpu):
 
 def test_gluon_race_keeps_the_faster_kernel_per_key(monkeypatch):
     """_gluon_wins times the Gluon and the Triton call once per key (shape class) and keeps the faster: a
-    second call of the key runs nothing extra; another key races again; untimed (AUTOTUNE=0) Gluon runs."""
+    second call of the key runs nothing extra; another key races again; triton_kernels_only() takes the
+    Triton call; untimed (AUTOTUNE=0) Gluon runs. tuning_report(races=prefix) lists the races of a prefix."""
     monkeypatch.setattr(attn, "_GLUON_RACES", {})
     monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "1")
     speed = {}
@@ -512,8 +513,15 @@ def test_gluon_race_keeps_the_faster_kernel_per_key(monkeypatch):
     assert [(r["key"]["pass"], r["key"]["seqlen_bucket"], r["chosen"]) for r in rows] == [
         ("fwd", 1024, "triton"), ("fwd", 4096, "gluon"), ("bwd", 1024, "gluon")]
     assert rows[0]["ms"] == {"gluon": 2.0, "triton": 1.0}
+    assert attn._gluon_wins("fp8_bwd", q, k, 0, gluon, tri) is True and len(ran) == 16
+    assert [r["key"]["pass"] for r in attn.tuning_report([], races="fp8_")["gluon_vs_triton"]] == ["fp8_bwd"]
+    assert "gluon_vs_triton" not in attn.tuning_report([])
+    with attn.triton_kernels_only():      # the benchmarks' Triton baselines: the Triton call, no race
+        assert attn._gluon_wins("fwd", long_q, long_k, 0, gluon, tri) is False
+        assert attn._gluon_wins("fwd", q, k, 1, gluon, tri) is False and len(ran) == 16
+    assert attn._gluon_wins("fwd", long_q, long_k, 0, gluon, tri) is True
     monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
-    assert attn._gluon_wins("fwd", q, k, -1, gluon, tri) is True and len(ran) == 12
+    assert attn._gluon_wins("fwd", q, k, -1, gluon, tri) is True and len(ran) == 16
 
 
 def test_config_choice_untimed_takes_the_first_that_compiles(fake_gpu, monkeypatch):

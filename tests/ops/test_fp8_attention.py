@@ -198,6 +198,26 @@ def test_lse_gradient(device, tma):
     check(*qkv(1, 40, 40, 2, 1, 32, device=device), causal=True, with_lse=True)
 
 
+def test_unused_lse_reaches_the_backward_as_none(device, tma, monkeypatch):
+    """An LSE the loss does not use gives the backward dlse=None (not a zero tensor, which would add a read
+    and keep the call off the Gluon backward); a used one arrives as its gradient."""
+    tma("ptr")
+    seen = []
+    real = f8._fp8_backward
+
+    def spy(dout, q, k, v, out, lse, dlse, *rest):
+        seen.append(dlse)
+        return real(dout, q, k, v, out, lse, dlse, *rest)
+    monkeypatch.setattr(f8, "_fp8_backward", spy)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 20, 20, 2, 1, 32, device=device))
+    with ops.use("triton"):
+        fp8_flash_attention(q, k, v, causal=True).float().sum().backward()
+        out, lse = fp8_flash_attention(q, k, v, causal=True, return_lse=True)
+        (out.float().sum() + lse.sum()).backward()
+    assert seen[0] is None
+    assert isinstance(seen[1], torch.Tensor) and torch.equal(seen[1], torch.ones_like(lse))
+
+
 def test_strided_views_and_fused_qkv(device, tma):
     """q, k, v split from one (B, S, Hq + 2 Hkv, D) projection: strided views, no copy."""
     tma("tma")
@@ -525,6 +545,39 @@ def test_gpu_real_size(causal, rotate, tma):
 def test_gpu_head_dims_gqa(head_dim, tma):
     tma("tma")  # 96 is not a power of two: the pointer path
     check(*qkv(2, 1000, 1000, 8, 2, head_dim, device="cuda"), causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
+    """fp8_flash_attention's forward goes to fp8_attention_sm90 and its backward to fp8_attention_sm90_bwd for
+    a dense, unrotated call with equal lengths (GQA and fused-QKV views included); rotation, windows, unequal
+    lengths, head_dim 96 and a dLSE stay on the Triton kernels. Either way the results match the emulation and
+    the float64 reference (check)."""
+    from tilewise.ops import fp8_attention_sm90, fp8_attention_sm90_bwd
+    if not (fp8_attention_sm90.available("cuda") and fp8_attention_sm90_bwd.available("cuda")):
+        pytest.skip("no FP8 Gluon kernels here")
+    tma("tma")
+    calls = {"fwd": 0, "bwd": 0}
+    for module, name, kind in ((fp8_attention_sm90, "forward", "fwd"), (fp8_attention_sm90_bwd, "backward", "bwd")):
+        real = getattr(module, name)
+
+        def counted(*a, _real=real, _kind=kind, **kw):
+            calls[_kind] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+
+    def taken(q, k, v, **kw):
+        before = dict(calls)
+        check(q, k, v, **kw)
+        return calls["fwd"] > before["fwd"], calls["bwd"] > before["bwd"]
+    fused = torch.randn(2, 777, 12, 128, dtype=torch.bfloat16, device="cuda")
+    assert taken(*fused.split([8, 2, 2], dim=2), causal=True) == (True, True)
+    assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda")) == (True, True)
+    assert taken(*qkv(1, 300, 300, 4, 2, 128, device="cuda"), causal=True, with_lse=True) == (True, False)
+    assert taken(*qkv(1, 300, 300, 4, 4, 128, device="cuda"), causal=True, rotate=True) == (False, False)
+    assert taken(*qkv(1, 300, 300, 4, 4, 128, device="cuda"), window=(64, 0)) == (False, False)
+    assert taken(*qkv(1, 200, 300, 4, 4, 128, device="cuda"), causal=True) == (False, False)
+    assert taken(*qkv(1, 300, 300, 4, 4, 96, device="cuda")) == (False, False)
 
 
 @pytest.mark.gpu

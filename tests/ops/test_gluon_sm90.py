@@ -50,3 +50,33 @@ def test_no_sm90_without_cuda_and_nan_filled_outputs():
     assert g.on_sm90("cpu") is False
     assert torch.isnan(g.new_output((3, 4), torch.float32, "cpu", True)).all()
     assert g.new_output((3, 4), torch.bfloat16, "cpu", False).shape == (3, 4)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_kernels_launch_directly_with_their_normal_launchs_results():
+    """The Gluon attention kernels launch through ops.launch.FastLauncher: after the normal launch of each
+    key, the direct launches (Gluon descriptors among their arguments) give bitwise the same outputs."""
+    from tilewise.ops import attention_sm90 as a9, attention_sm90_bwd as b9, launch
+    from tilewise.ops import fp8_attention_sm90 as f9, fp8_attention_sm90_bwd as fb
+    if not all(m.available("cuda") for m in (a9, b9, f9, fb)):
+        pytest.skip("no Gluon kernels here")
+    torch.manual_seed(0)
+    q = torch.randn(2, 700, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 700, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 128 ** -0.5
+
+    def run():
+        o, lse = a9.forward(q, k, v, True, scale)
+        o8, lse8 = f9.forward(q, *f9.quantize_kv(k, v), True, scale)
+        return [o, lse, *b9.backward(dout, q, k, v, o, lse, True, scale), o8, lse8,
+                *fb.backward(dout, q, k, v, o8, lse8, True, scale)]
+    used = [a9._FWD_LAUNCH, b9.LAUNCHERS["dkdv"], b9.LAUNCHERS["dq"], f9._FWD_LAUNCH, *fb.LAUNCHERS.values()]
+    with launch.normal_launches():
+        want = run()
+    run()   # each key's first launch: the normal one, whose compiled kernel is kept
+    before = [lc.fast_launches for lc in used]
+    got = run()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert all(lc.fast_launches > n for lc, n in zip(used, before))

@@ -136,6 +136,29 @@ def test_key_classes_refine_tritons_specialization():
     assert launch._arg_classes(pool) == tuple(launch._arg_class(a) for a in pool)      # the inline copy
 
 
+def test_gluon_descriptor_classes_tell_their_layouts_apart():
+    """Gluon compiles a host descriptor's shared-memory layout into the kernel: descriptors that differ in
+    dtype, block or layout get different key classes; an equal layout in another object shares one."""
+    if launch.GluonTensorDescriptor is None:
+        pytest.skip("no Gluon in this Triton")
+    from triton.experimental.gluon import language as gl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m = torch.zeros(64, 64, dtype=torch.bfloat16)
+
+    def desc(t, block, layout):
+        return launch.GluonTensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    def layout(swizzle=128, transposed=False):
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2, transposed=transposed)
+    layouts = [layout(), layout(64), layout(transposed=True)]
+    classes = [launch._arg_class(desc(t, block, lay)) for t in (m, m.half()) for block in ([32, 64], [64, 64])
+               for lay in layouts]
+    assert len(set(classes)) == len(classes)
+    assert launch._arg_class(desc(m, [32, 64], layout())) == classes[0]
+    assert launch._arg_class(TensorDescriptor(m, list(m.shape), list(m.stride()), [32, 64])) not in classes
+    assert launch._arg_classes([desc(m, [64, 64], layouts[1]), 16]) == (classes[4], launch._arg_class(16))
+
+
 def spoil(fake, how):
     """A pre-run hook on the kernel, or a global it read at compile time changed since: Triton's launch
     handles both."""

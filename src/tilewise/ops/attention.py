@@ -66,6 +66,7 @@ Conventions (the flash-attn ones):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -774,8 +775,9 @@ def reset_tuning(kernels=None):
     fallbacks.clear()
 
 
-def tuning_report(kernels=None):
-    """{kernel: [{"key": {...}, "chosen": config or None, "ms": {config: ms or error}}]} of this process."""
+def tuning_report(kernels=None, races=None):
+    """{kernel: [{"key": {...}, "chosen": config or None, "ms": {config: ms or error}}]} of this process, and
+    under "gluon_vs_triton" the Gluon races whose pass starts with `races` (all of them for kernels=None)."""
     report = {}
     for kern in _KERNELS if kernels is None else kernels:
         rows = []
@@ -785,12 +787,13 @@ def tuning_report(kernels=None):
                          "ms": {",".join(map(str, c)): (round(v, 4) if isinstance(v, float) else v)
                                 for c, v in results.items()}})
         report[kern.name] = rows
-    if kernels is None:
+    races = "" if kernels is None and races is None else races
+    if races is not None:
         report["gluon_vs_triton"] = [
             {"key": dict(zip(("pass", "seqlen_bucket", "batch_heads_bucket", "head_dim", "gqa", "causal", "dtype"),
                              (*key[:-1], str(key[-1]).replace("torch.", "")))),
              "chosen": race["winner"], "ms": {"gluon": round(race["gluon"], 4), "triton": round(race["triton"], 4)}}
-            for key, race in _GLUON_RACES.items()]
+            for key, race in _GLUON_RACES.items() if key[0].startswith(races)]
     return report
 
 
@@ -1025,6 +1028,20 @@ def _gluon_forward_applies(q, k, v, softmax_scale, left, right) -> bool:
 _GLUON_RACES: dict = {}   # key -> {"gluon": ms, "triton": ms, "winner": "gluon" or "triton"}
 
 
+_TRITON_ONLY = [False]
+
+
+@contextlib.contextmanager
+def triton_kernels_only():
+    """Inside the block every raced call takes its Triton kernel, and no race is run: the benchmarks'
+    Triton baselines (fp8_attention's calls included)."""
+    old, _TRITON_ONLY[0] = _TRITON_ONLY[0], True
+    try:
+        yield
+    finally:
+        _TRITON_ONLY[0] = old
+
+
 def _gluon_key(kind, q, k, right):
     batch, seqlen, heads, head_dim = q.shape
     return kind, _bucket(seqlen, seqlen), _pow2(batch * heads), head_dim, k.shape[2] != heads, right == 0, q.dtype
@@ -1032,6 +1049,8 @@ def _gluon_key(kind, q, k, right):
 
 def _gluon_wins(kind, q, k, right, gluon_call, triton_call) -> bool:
     """Whether the Gluon kernel runs this call (see _GLUON_RACES); the first call of a key races the two."""
+    if _TRITON_ONLY[0]:
+        return False
     key = _gluon_key(kind, q, k, right)
     race = _GLUON_RACES.get(key)
     if race is None:

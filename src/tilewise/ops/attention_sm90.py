@@ -76,6 +76,7 @@ import os
 import torch
 
 from .gluon_sm90 import builds_ahead
+from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
                          new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum,
@@ -336,6 +337,7 @@ if gl is not None:
         _attn_fwd_sm90 = None
 else:
     _attn_fwd_sm90 = None
+_FWD_LAUNCH = FastLauncher(_attn_fwd_sm90)   # kernel[grid]'s Python is most of the forward's host time
 
 
 def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
@@ -446,8 +448,7 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
     else:
         grid = (n_pairs, heads, batch)
         section = 1
-    _attn_fwd_sm90[grid](q_desc, k_desc, v_desc, o, lse, seqlen, heads, group, softmax_scale * LOG2E, batch,
-                         section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal,
-                         PINGPONG=pingpong, PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS,
-                         num_warps=num_warps)
+    _FWD_LAUNCH(grid, q_desc, k_desc, v_desc, o, lse, seqlen, heads, group, softmax_scale * LOG2E, batch,
+                section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+                PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse

@@ -114,6 +114,7 @@ import os
 import torch
 
 from .gluon_sm90 import builds_ahead
+from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
                          new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
@@ -734,6 +735,8 @@ if gl is not None:
         _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = _attn_bwd_dkdv_dq_sm90 = None
 else:
     _attn_bwd_dkdv_sm90 = _attn_bwd_dq_sm90 = _attn_bwd_dkdv_dq_sm90 = None
+LAUNCHERS = {"dkdv": FastLauncher(_attn_bwd_dkdv_sm90), "dq": FastLauncher(_attn_bwd_dq_sm90),
+             "dkdv_dq": FastLauncher(_attn_bwd_dkdv_dq_sm90)}   # kernel[grid]'s Python costs more than the rest
 
 
 def _kernel(kind):
@@ -874,9 +877,8 @@ def launch_dkdv(q, k, v, dout, dk, dv, lse2, delta, causal: bool, softmax_scale:
     bn, bm, stages = config
     descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
-    _attn_bwd_dkdv_sm90[grid](*descs, dk, dv, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
-                              softmax_scale * LOG2E, softmax_scale, **_consts("dkdv", d, causal, config),
-                              num_warps=num_warps)
+    LAUNCHERS["dkdv"](grid, *descs, dk, dv, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
+                      softmax_scale * LOG2E, softmax_scale, **_consts("dkdv", d, causal, config), num_warps=num_warps)
 
 
 def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float, config=None,
@@ -890,9 +892,8 @@ def launch_dq(q, k, v, dout, dq, lse2, delta, causal: bool, softmax_scale: float
     bm, bn, stages = config
     descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bm)), heads, batch)
-    _attn_bwd_dq_sm90[grid](*descs, dq, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
-                            softmax_scale * LOG2E, softmax_scale, **_consts("dq", d, causal, config),
-                            num_warps=num_warps)
+    LAUNCHERS["dq"](grid, *descs, dq, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
+                    softmax_scale * LOG2E, softmax_scale, **_consts("dq", d, causal, config), num_warps=num_warps)
 
 
 def launch_dkdv_dq(q, k, v, dout, dk, dv, dq_acc, lse2, delta, causal: bool, softmax_scale: float, config=None,
@@ -913,9 +914,9 @@ def launch_dkdv_dq(q, k, v, dout, dk, dv, dq_acc, lse2, delta, causal: bool, sof
     bn, bm = config[:2]
     descs = _descriptors(q, dout, k, v, bm, bn)
     grid = (-(-seqlen // (2 * bn)), heads_kv, batch)
-    _attn_bwd_dkdv_dq_sm90[grid](*descs, dk, dv, dq_acc, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
-                                 softmax_scale * LOG2E, softmax_scale, **_consts("dkdv_dq", d, causal, config),
-                                 num_warps=num_warps)
+    LAUNCHERS["dkdv_dq"](grid, *descs, dk, dv, dq_acc, lse2, delta, seqlen, heads, out_row, heads // heads_kv,
+                         softmax_scale * LOG2E, softmax_scale, **_consts("dkdv_dq", d, causal, config),
+                         num_warps=num_warps)
 
 
 DQ_MODES = ("split", "atomic")

@@ -48,7 +48,9 @@ bundles (tilewise.ops.fp8_cast says more).
 
 On sm_90 the dense, unrotated forward may run fp8_attention_sm90's Gluon kernel instead (the same operands
 from the same passes, Q quantized per row inside it into shared memory; outputs equal to rounding): the
-first call of a key times both and keeps the faster (_gluon_forward_applies, attention._gluon_wins).
+first call of a key times both and keeps the faster (_gluon_forward_applies, attention._gluon_wins). The
+backward does the same with fp8_attention_sm90_bwd's two Gluon kernels (dense, unrotated, no dLSE), which
+read the same passes' operands (_gluon_backward_applies).
 
 Backward (recomputed from the saved LSE, as the bf16 kernel). S and dP are recomputed on FP8 from the same
 E4M3 Q and K as the forward: recomputing S in bf16 against the FP8 forward's LSE leaves P rows that do not
@@ -708,8 +710,9 @@ def reset_tuning():
 
 
 def tuning_report():
-    """{kernel: [{"key", "chosen", "ms"}]} of the FP8 kernels tuned in this process."""
-    return attn.tuning_report(KERNELS)
+    """{kernel: [{"key", "chosen", "ms"}]} of the FP8 kernels tuned in this process, and the FP8 Gluon
+    kernels' races against them ("gluon_vs_triton")."""
+    return attn.tuning_report(KERNELS, races="fp8_")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -938,8 +941,6 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
                 *descs, *dkdv_scalars, b0)
 
     dkdv_consts = {**consts, "GQA": group > 1}
-    attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,
-              lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb), dkdv_args, dkdv_consts)
 
     dq_scalars = (*_seq_strides(q8, packed), *_seq_strides(k8, packed), *_t_strides(k8t, packed),
                   *ks.stride()[:2], *_seq_strides(dq, packed), *lse_strides,
@@ -950,9 +951,33 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
                  if use_tma else (None,) * 3)
         return (q8, do8, qs, dos, k8, k8t, v8, ks, vs, dq, lse2, delta, rot, cu, cu_t, *descs, *dq_scalars, b0)
 
-    attn._run(_DQ8, tma, (bucket, q.dtype, *consts.values()), batch,
-              lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), dq_args, consts)
+    def triton_backward():
+        attn._run(_DKDV8, tma, (bucket, q.dtype, *dkdv_consts.values()), batch,
+                  lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb), dkdv_args, dkdv_consts)
+        attn._run(_DQ8, tma, (bucket, q.dtype, *consts.values()), batch,
+                  lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb), dq_args, consts)
+
+    if not packed and not rotate and dlse is None and _gluon_backward_applies(q, k, softmax_scale, left, right):
+        from . import fp8_attention_sm90_bwd as fb
+        prepared = fb.Prepared(lse2, delta, q8, q8t, qs, do8, do8t, dos, do_amax, k8, k8t, ks, v8, vs)
+
+        def gluon_backward():
+            fb.backward(dout, q, k, v, out, lse, right == 0, softmax_scale, prepared=prepared, grads=(dq, dk, dv))
+        if attn._gluon_wins("fp8_bwd", q, k, right, gluon_backward, triton_backward):
+            gluon_backward()
+            return dq, dk, dv
+    triton_backward()
     return dq, dk, dv
+
+
+def _gluon_backward_applies(q, k, softmax_scale, left, right) -> bool:
+    """Whether fp8_attention_sm90_bwd's Gluon kernels compute this backward (on the passes' operands, which
+    they share with the Triton kernels): the forward's conditions (the caller checks dense, unrotated, no
+    dLSE). Raced against the Triton kernels per key as the forward is."""
+    if not _gluon_forward_applies(q, k, softmax_scale, left, right):
+        return False
+    from . import fp8_attention_sm90_bwd
+    return fp8_attention_sm90_bwd.available(q.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1008,6 +1033,7 @@ class Fp8FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate):
         out, lse = _fp8_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate)
         _setup_context(ctx, (q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right, rotate), (out, lse))
+        ctx.set_materialize_grads(False)   # an unused LSE's gradient stays None, not a zero tensor to read
         return out, lse
 
     @staticmethod

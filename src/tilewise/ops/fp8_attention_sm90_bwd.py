@@ -1,15 +1,22 @@
 """FP8 (E4M3) flash-attention backward for Hopper (sm_90a) in Gluon: warp-specialized, TMA-fed, async wgmma.
 
-A prototype, not dispatched. First GPU run at c724bc2 (H200, bench/fp8_attention_sm90_bwd.py): correct at
-the bench's shapes (within 0.7% of the Triton FP8 backward) but slower than the bf16 Gluon backward: both
-kernels alone 416 TFLOP/s against 459 at d128 4 x 4096 x 16 non-causal (366 against 389 causal; 438 against
-466 at 1 x 16384), and with prepare()'s quantization passes (0.80 ms of 3.61 there) 380. The dK/dV kernel
-(2.26 ms, its 32-query tiles) is twice the dQ kernel's 1.07. Its gpu tests crashed at their first ragged case
-(batch 3, seqlen 1, 4 / 2 heads, d64: "illegal instruction"). bench/fp8_attention_sm90_bwd_probe.py (each kernel
-and shape in its own process, at 81d9cc1) found the dK/dV kernel crashing at every seqlen not a multiple of 16
-and the dQ kernel never: the dK/dV kernel's 1-D TMA tiles of the per-query vectors started at (batch * heads +
-h) * seqlen + query, not 16-byte aligned there. Their rows are now padded to 16 (_padded_rows), and all 38 gpu
-tests of tests/ops/test_fp8_attention_sm90_bwd.py passed at 430a7e0.
+Dispatched by fp8_attention._fp8_backward for dense, unrotated calls without dLSE, raced per key against the
+Triton FP8 backward on the same passes' operands (attention._gluon_wins). On the H200 (bench/attention.py
+--fp8-only, d128, the whole backward with its passes) it won every race: 2.83 against 3.15 ms at 4 x 4096 x 16
+non-causal, 1.63 / 1.76 causal, 11.0 / 12.3 at 1 x 16384, 5.68 / 6.21 causal. The 64-query dK/dV tiles
+(CONFIGS) made that: with the 32-query ones its kernels and passes summed to 3.67 ms at 4 x 4096, more than
+the Triton backward's 3.35 (bench/fp8_attention_sm90_bwd.py).
+
+History. First GPU run at c724bc2 (H200, bench/fp8_attention_sm90_bwd.py): correct at the bench's shapes
+(within 0.7% of the Triton FP8 backward) but slower than the bf16 Gluon backward: both kernels alone 416
+TFLOP/s against 459 at d128 4 x 4096 x 16 non-causal (366 against 389 causal; 438 against 466 at 1 x 16384),
+and with prepare()'s quantization passes (0.80 ms of 3.61 there) 380. The dK/dV kernel (2.26 ms, its
+32-query tiles) was twice the dQ kernel's 1.07. Its gpu tests crashed at their first ragged case (batch 3,
+seqlen 1, 4 / 2 heads, d64: "illegal instruction"). bench/fp8_attention_sm90_bwd_probe.py (each kernel and
+shape in its own process, at 81d9cc1) found the dK/dV kernel crashing at every seqlen not a multiple of 16
+and the dQ kernel never: the dK/dV kernel's 1-D TMA tiles of the per-query vectors started at (batch * heads
++ h) * seqlen + query, not 16-byte aligned there. Their rows are now padded to 16 (_padded_rows), and all 38
+gpu tests of tests/ops/test_fp8_attention_sm90_bwd.py passed at 430a7e0.
 
 What it computes: the two main kernels of fp8_attention.py's backward (`_fp8_bwd_dkdv`, `_fp8_bwd_dq`) for the
 dense layout, on exactly the operands `_fp8_backward` prepares (prepare() below makes the same calls:
@@ -109,6 +116,7 @@ import torch
 
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
+from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, check_dense,
                          fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
@@ -128,12 +136,13 @@ P_SCALE = 256.0      # P^T in [0, 1] is cast as P^T * 256 (fp8_attention.P_SCALE
 # E4M3 wgmma's k step): BLOCK_M >= 32 in dK/dV (dV, dK reduce over the ring tile's queries), BLOCK_N >= 32 in
 # dQ. P_SMEM: 1 passes P^T / dS^T / dS to their wgmma through shared memory, 0 (dQ only) through registers.
 # Every entry builds for sm_90a with no spills, causal or not, bf16 or fp16 gradients (bench/
-# fp8_attention_sm90_bwd.py --aot-only). Left out for what the build said: dK/dV at d128 with 64-query ring
-# tiles (no spills non-causal, one spilled word causal: it would be the faster shape if ptxas kept it in
-# registers), dK/dV d64 (64, 128) and dQ d128 (64, 128) (spills), and dK/dV with P_SMEM=0 (ptxas serializes
-# every wgmma: dV's 8-bit register operand is in flight across the loop's back edge).
+# fp8_attention_sm90_bwd.py --aot-only), except the d128 dK/dV default: its 64-query ring tiles spill one
+# word causal, and it still runs 1.31-1.40x faster than (64, 32, 4, 1) on the H200, causal too (d128,
+# (4, 4096, 16) and (1, 16384, 16): bench/fp8_attention_sm90_bwd.py --configs). Left out for what the build
+# said: dK/dV d64 (64, 128) and dQ d128 (64, 128) (spills), and dK/dV with P_SMEM=0 (ptxas serializes every
+# wgmma: dV's 8-bit register operand is in flight across the loop's back edge).
 CONFIGS = {
-    "dkdv": {128: [(64, 32, 4, 1), (64, 32, 3, 1), (64, 32, 2, 1)],
+    "dkdv": {128: [(64, 64, 3, 1), (64, 32, 4, 1), (64, 32, 3, 1), (64, 64, 2, 1)],
              64: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 32, 4, 1)]},
     "dq": {128: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 64, 3, 0)],
            64: [(64, 64, 3, 1), (64, 128, 3, 1), (64, 64, 4, 1), (64, 64, 3, 0)]},
@@ -645,6 +654,8 @@ else:
     _fp8_bwd_dkdv_sm90 = _fp8_bwd_dq_sm90 = None
     if gl is not None:
         _GLUON_ERROR = "ImportError: warpgroup_mma_init"
+LAUNCHERS = {"dkdv": FastLauncher(_fp8_bwd_dkdv_sm90), "dq": FastLauncher(_fp8_bwd_dq_sm90)}
+# (kernel[grid]'s Python costs more host time than the rest of the backward's)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -689,6 +700,7 @@ def _consts(kind, head_dim, causal, cfg):
             "KV_BLOCK": KV_BLOCK_GPU, "P_SMEM": bool(p_smem), **ROLE_CONSTS}
 
 
+@functools.lru_cache(maxsize=None)
 def _layouts(kind, head_dim, cfg):
     """The shared layouts of the kernel's E4M3 TMA tiles: (row-major query-side (rows, d), transposed
     query-side (d, rows), row-major key-side, transposed key-side)."""
@@ -700,6 +712,7 @@ def _layouts(kind, head_dim, cfg):
             gl.NVMMASharedLayout.get_default_for([head_dim, bk], fp8))
 
 
+@functools.lru_cache(maxsize=None)
 def _rows_layout(block):
     """The shared layout of a 1-D float32 tile of query-row values (qs, dos, lse2, delta)."""
     return gl.NVMMASharedLayout.get_default_for([block], gl.float32)
@@ -882,10 +895,9 @@ def launch_dkdv(prep: Prepared, q, k, dk, dv, causal: bool, softmax_scale: float
     grid = (-(-seqlen // (2 * bn)), kv_heads, batch)
     vstride = -(-seqlen // 16) * 16
     vectors = [_vector_desc(_padded_rows(t, vstride), bm) for t in (prep.qs, prep.dos, prep.lse2, prep.delta)]
-    _fp8_bwd_dkdv_sm90[grid](*descs, *vectors, dk, dv, prep.ks, prep.vs, prep.do_amax, seqlen, vstride, heads,
-                             kv_heads, heads // kv_heads, prep.ks.stride(0), prep.ks.stride(1),
-                             softmax_scale * LOG2E, softmax_scale,
-                             **_consts("dkdv", d, causal, cfg), num_warps=4)
+    LAUNCHERS["dkdv"](grid, *descs, *vectors, dk, dv, prep.ks, prep.vs, prep.do_amax, seqlen, vstride, heads,
+                      kv_heads, heads // kv_heads, prep.ks.stride(0), prep.ks.stride(1), softmax_scale * LOG2E,
+                      softmax_scale, **_consts("dkdv", d, causal, cfg), num_warps=4)
 
 
 def launch_dq(prep: Prepared, q, k, dq, causal: bool, softmax_scale: float, config=None):
@@ -899,9 +911,9 @@ def launch_dq(prep: Prepared, q, k, dq, causal: bool, softmax_scale: float, conf
     descs = (_rows_desc(prep.q8, bm, rows_l), _rows_desc(prep.do8, bm, rows_l), _rows_desc(prep.k8, bn, keys_l),
              _rows_desc(prep.v8, bn, keys_l), _t_desc(prep.k8t, bn, keys_t_l))
     grid = (-(-seqlen // (2 * bm)), heads, batch)
-    _fp8_bwd_dq_sm90[grid](*descs, dq, prep.qs, prep.dos, prep.lse2, prep.delta, prep.ks, prep.vs, seqlen, heads,
-                           kv_heads, heads // kv_heads, prep.ks.stride(0), prep.ks.stride(1), softmax_scale * LOG2E,
-                           softmax_scale, **_consts("dq", d, causal, cfg), num_warps=4)
+    LAUNCHERS["dq"](grid, *descs, dq, prep.qs, prep.dos, prep.lse2, prep.delta, prep.ks, prep.vs, seqlen, heads,
+                    kv_heads, heads // kv_heads, prep.ks.stride(0), prep.ks.stride(1), softmax_scale * LOG2E,
+                    softmax_scale, **_consts("dq", d, causal, cfg), num_warps=4)
 
 
 def backward(dout, q, k, v, out, lse, causal: bool, softmax_scale: float, *, rotate: bool = False,

@@ -19,6 +19,7 @@ class at least as fine as Triton's specialization of it:
     int     1, or (divisible by 16, and i32 / u64 / i64 range)      (also where Triton does not specialize)
     float   fp32;  bool u1;  None
     TensorDescriptor  (base dtype, block shape, padding, tf32 flag, base 16-byte aligned)
+    Gluon's TensorDescriptor  (the same, and its shared-memory layout)
 Anything else (a torch.dtype, a numpy scalar) takes the normal launch every time. A key finer than Triton's
 costs nothing but one more normal first call.
 
@@ -49,6 +50,11 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:          # pragma: no cover - a Triton without host descriptors
     TensorDescriptor = None
+
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:          # pragma: no cover - a Triton without Gluon's Hopper API
+    GluonTensorDescriptor = None
 
 try:
     from triton import knobs as _knobs
@@ -108,6 +114,8 @@ def _scalar_class(a):
         return None
     if t is TensorDescriptor:
         return _descriptor_class(a)
+    if t is GluonTensorDescriptor:
+        return _gluon_descriptor_class(a)
     raise _Unkeyable
 
 
@@ -117,6 +125,21 @@ def _descriptor_class(d):
     runtime values, which the compiled kernel's launcher encodes on every call, as on the normal path."""
     return ("desc", d.base.dtype, tuple(d.block_shape), str(getattr(d, "padding", None)),
             bool(getattr(d, "round_f32_to_tf32", False)), d.base.data_ptr() & 15 == 0)
+
+
+_LAYOUT_NAMES: dict = {}   # id(layout) -> (layout, repr): the kernels build their few layouts once (cached)
+
+
+def _gluon_descriptor_class(d):
+    """A Gluon host descriptor: _descriptor_class's fields and its shared-memory layout, which Gluon compiles
+    into the kernel (its repr names every field; memoized per layout object, kept alive so its id stays its)."""
+    layout = d.layout
+    seen = _LAYOUT_NAMES.get(id(layout))
+    if seen is None or seen[0] is not layout:
+        seen = (layout, repr(layout))
+        if len(_LAYOUT_NAMES) < 1 << 12:
+            _LAYOUT_NAMES[id(layout)] = seen
+    return ("gluon desc", d.base.dtype, tuple(d.block_shape), seen[1], d.padding, d.base.data_ptr() & 15 == 0)
 
 
 def _arg_class(a):
