@@ -23,7 +23,8 @@ def _seed_and_nan_fill(monkeypatch):
     torch.manual_seed(1234)
     monkeypatch.setattr(a9, "_NAN_FILL", True)
     monkeypatch.setenv("TILEWISE_ATTN_AUTOTUNE", "0")
-    monkeypatch.setattr(attn, "_GLUON", False)   # flash_attention: the Triton kernel to compare with
+    with attn.triton_kernels_only():   # flash_attention: the Triton kernel to compare with
+        yield
 
 
 def test_imports_and_is_unavailable_on_cpu():
