@@ -76,11 +76,11 @@ import os
 import torch
 
 from .gluon_sm90 import builds_ahead
-from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
                          check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
                          new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum,
                          stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
+from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
 # The softmax's row max and row sum as gluon_sm90.row_max / row_sum's trees (True) or gl.max / gl.sum's

@@ -98,11 +98,11 @@ import torch
 from . import attention_sm90 as a9
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
-from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
                          fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
                          on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum, stream_kv,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block of rows a K/V scale covers

@@ -59,8 +59,9 @@ pairs from the earliest (the most queries) up:
 - one producer warp (worker 1, few registers): the two K and two V tiles once (kv_bar), then per (query head,
   query block) of the kv head's group, in one flat loop, into a STAGES-deep ring: Q_i, dO_i (row-major E4M3)
   and the block's qs, dos qs / 256, lse2 - 8, delta qs / 256 (float32, four 1-D TMA tiles of the flat
-  (batch * heads * seqlen) arrays _dkdv_rows makes) on qdo_full, and Q_i^T, dO_i^T (transposed E4M3) on t_full; one free barrier per stage (count 2,
-  an arrive per consumer), waited with the opposite parity of its round. The per-query vectors come through
+  (batch * heads * seqlen) arrays _dkdv_rows makes) on qdo_full, and Q_i^T, dO_i^T (transposed E4M3) on
+  t_full; one free barrier per stage (count 2, an arrive per consumer), waited with the opposite parity of its
+  round. The per-query vectors come through
   shared memory because, loaded by the consumers from global memory, their 4 x 16 per-thread elements in the
   column layout (64 loads and their 64-bit addresses a tile) spilled ~220 registers and doubled the loop.
 - per ring tile, software-pipelined by hand: issue S^T_i and dP^T_i, then the previous tile's dK (its operand
@@ -116,10 +117,10 @@ import torch
 
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
-from .launch import FastLauncher
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, check_dense,
                          fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+from .launch import FastLauncher
 
 try:
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
@@ -136,11 +137,11 @@ P_SCALE = 256.0      # P^T in [0, 1] is cast as P^T * 256 (fp8_attention.P_SCALE
 # E4M3 wgmma's k step): BLOCK_M >= 32 in dK/dV (dV, dK reduce over the ring tile's queries), BLOCK_N >= 32 in
 # dQ. P_SMEM: 1 passes P^T / dS^T / dS to their wgmma through shared memory, 0 (dQ only) through registers.
 # Every entry builds for sm_90a with no spills, causal or not, bf16 or fp16 gradients (bench/
-# fp8_attention_sm90_bwd.py --aot-only), except the d128 dK/dV default: its 64-query ring tiles spill one
-# word causal, and it still runs 1.31-1.40x faster than (64, 32, 4, 1) on the H200, causal too (d128,
-# (4, 4096, 16) and (1, 16384, 16): bench/fp8_attention_sm90_bwd.py --configs). Left out for what the build
-# said: dK/dV d64 (64, 128) and dQ d128 (64, 128) (spills), and dK/dV with P_SMEM=0 (ptxas serializes every
-# wgmma: dV's 8-bit register operand is in flight across the loop's back edge).
+# fp8_attention_sm90_bwd.py --aot-only), except d128 dK/dV's 64-query entries: causal, they spill (one store
+# and one load, 8 bytes of stack), and the default still runs 1.31-1.40x faster than (64, 32, 4, 1) on the
+# H200, causal too (d128, (4, 4096, 16) and (1, 16384, 16): bench/fp8_attention_sm90_bwd.py --configs). Left
+# out for what the build said: dK/dV d64 (64, 128) and dQ d128 (64, 128) (spills), and dK/dV with P_SMEM=0
+# (ptxas serializes every wgmma: dV's 8-bit register operand is in flight across the loop's back edge).
 CONFIGS = {
     "dkdv": {128: [(64, 64, 3, 1), (64, 32, 4, 1), (64, 32, 3, 1), (64, 64, 2, 1)],
              64: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 32, 4, 1)]},
@@ -442,8 +443,8 @@ if gl is not None and warpgroup_mma_init is not None:
                                   q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
                                   CAUSAL, KV_BLOCK, P_SMEM)),
                 (_dkdv_producer, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, qs_desc, dsmul_desc,
-                                  lse8_desc, dssub_desc, k_tiles, v_tiles, q_ring, do_ring, qt_ring, dot_ring, rows_ring,
-                                  kv_bar, qdo_full, t_full, free, b * seqlen + n0,
+                                  lse8_desc, dssub_desc, k_tiles, v_tiles, q_ring, do_ring, qt_ring, dot_ring,
+                                  rows_ring, kv_bar, qdo_full, t_full, free, b * seqlen + n0,
                                   hk * HEAD_DIM, b * seqlen, h0 * HEAD_DIM, (b * heads + h0) * HEAD_DIM, q_lo,
                                   seqlen, vstride, n_iter, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES)),
             ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
