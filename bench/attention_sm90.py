@@ -47,6 +47,7 @@ def time_ms(triton, fn, rep):
 
 def baselines(torch, F):
     from tilewise.ops import attention
+
     def triton_forward(q, k, v, c, s):
         with attention.triton_kernels_only():   # flash_attention would race the Gluon kernel itself
             return attention.flash_attention(q, k, v, causal=c, softmax_scale=s, return_lse=True)
