@@ -30,3 +30,25 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device the test's tensors live on: CUDA when present, else CPU (the interpreter runs kernels)."""
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def calls_taken(monkeypatch):
+    """taken = calls_taken(run, fwd=(module, "forward"), bwd=(module, "backward")): taken(*a, **kw) runs
+    run(*a, **kw) and says, per keyword in order, whether that function was called (wrapped by monkeypatch)."""
+    def make(run, **targets):
+        counts = dict.fromkeys(targets, 0)
+        for kind, (module, name) in targets.items():
+            real = getattr(module, name)
+
+            def counted(*a, _real=real, _kind=kind, **kw):
+                counts[_kind] += 1
+                return _real(*a, **kw)
+            monkeypatch.setattr(module, name, counted)
+
+        def taken(*a, **kw):
+            before = dict(counts)
+            run(*a, **kw)
+            return tuple(counts[kind] > before[kind] for kind in targets)
+        return taken
+    return make

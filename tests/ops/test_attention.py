@@ -634,7 +634,7 @@ def test_gpu_head_dims_gqa(head_dim, path, tma):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
+def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, calls_taken):
     """flash_attention's forward goes to attention_sm90 and its backward to attention_sm90_bwd for a dense
     causal or full call with equal lengths, fused-QKV views included (no copy); windows, unequal lengths,
     head_dim 96 and a dLSE stay on the Triton kernels. Either way the results match the float64 reference
@@ -643,19 +643,7 @@ def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
     if not (attention_sm90.available("cuda") and attention_sm90_bwd.available("cuda")):
         pytest.skip(f"no Gluon kernels here ({attention_sm90._GLUON_ERROR})")
     tma("gluon")
-    calls = {"fwd": 0, "bwd": 0}
-    for module, name, kind in ((attention_sm90, "forward", "fwd"), (attention_sm90_bwd, "backward", "bwd")):
-        real = getattr(module, name)
-
-        def counted(*a, _real=real, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(module, name, counted)
-
-    def taken(q, k, v, **kw):
-        before = dict(calls)
-        check(q, k, v, **kw)
-        return calls["fwd"] > before["fwd"], calls["bwd"] > before["bwd"]
+    taken = calls_taken(check, fwd=(attention_sm90, "forward"), bwd=(attention_sm90_bwd, "backward"))
     fused = _rand(2, 777, 12, 128, dtype=torch.bfloat16, device="cuda")
     assert taken(*fused.split([8, 2, 2], dim=2), causal=True) == (True, True)
     assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda")) == (True, True)

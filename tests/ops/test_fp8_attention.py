@@ -548,7 +548,7 @@ def test_gpu_head_dims_gqa(head_dim, tma):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
+def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, calls_taken):
     """fp8_flash_attention's forward goes to fp8_attention_sm90 and its backward to fp8_attention_sm90_bwd for
     a dense, unrotated call with equal lengths (GQA and fused-QKV views included); rotation, windows, unequal
     lengths, head_dim 96 and a dLSE stay on the Triton kernels. Either way the results match the emulation and
@@ -557,19 +557,7 @@ def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, monkeypatch):
     if not (fp8_attention_sm90.available("cuda") and fp8_attention_sm90_bwd.available("cuda")):
         pytest.skip("no FP8 Gluon kernels here")
     tma("tma")
-    calls = {"fwd": 0, "bwd": 0}
-    for module, name, kind in ((fp8_attention_sm90, "forward", "fwd"), (fp8_attention_sm90_bwd, "backward", "bwd")):
-        real = getattr(module, name)
-
-        def counted(*a, _real=real, _kind=kind, **kw):
-            calls[_kind] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(module, name, counted)
-
-    def taken(q, k, v, **kw):
-        before = dict(calls)
-        check(q, k, v, **kw)
-        return calls["fwd"] > before["fwd"], calls["bwd"] > before["bwd"]
+    taken = calls_taken(check, fwd=(fp8_attention_sm90, "forward"), bwd=(fp8_attention_sm90_bwd, "backward"))
     fused = torch.randn(2, 777, 12, 128, dtype=torch.bfloat16, device="cuda")
     assert taken(*fused.split([8, 2, 2], dim=2), causal=True) == (True, True)
     assert taken(*qkv(1, 300, 300, 4, 4, 64, dtype=torch.float16, device="cuda")) == (True, True)
