@@ -369,6 +369,41 @@ def test_transposed_copies_match_row_copies(packed, dtype, device):
     assert not transposed_copy_problems(70, 2, 32, dtype, device, packed)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_dout_passes_match_the_separate_passes(packed, heads, kv_heads, with_dlse, device):
+    """_dout_passes' fused pass (lse2, delta, dO's row copy and scales, max |dO| per K/V head) against the
+    passes it replaced, bit for bit: attention's prep kernel, the row-scaled quantization pass, and torch's
+    max over each GQA group's heads."""
+    from tilewise.ops import attention as attn
+    d = 64
+    if packed:
+        cu = torch.tensor([0, 13, 58], dtype=torch.int32, device=device)
+        batch, seqlen, max_len, total = 2, 0, 45, 58
+        shape, lse = (total, heads, d), torch.randn(heads, total, device=device)
+    else:
+        cu, batch, seqlen, max_len, total = None, 2, 45, 45, 0
+        shape, lse = (batch, seqlen, heads, d), torch.randn(batch, heads, seqlen, device=device)
+    dout, out = (torch.randn(shape, device=device).to(torch.bfloat16) * 3 for _ in range(2))
+    lse[..., 3] = float("-inf")   # a row that sees no key
+    dlse = torch.randn_like(lse) if with_dlse else None
+    cu_t = f8._t_offsets(cu) if packed else None
+    lse2, delta, do8, do8t, dos, do_amax = f8._dout_passes(dout, out, lse, dlse, cu, cu_t, batch, seqlen, max_len,
+                                                           heads, kv_heads, total)
+    want_lse2, want_delta = attn._backward_prep(dout, out, lse, dlse, cu, batch, seqlen, max_len, heads, total)
+    want_do8, _, want_dos = f8._quantize(dout, cu, cu_t, batch, seqlen, max_len, rowwise=True)
+    amax = torch.linalg.vector_norm(dout, float("inf"), dim=(0, 2) if packed else (0, 1, 3), dtype=torch.float32)
+    group = heads // kv_heads
+    want_amax = amax.view(-1, group).amax(1).repeat_interleave(group)
+    _, want_do8t, _ = f8._quantize(dout, cu, cu_t, batch, seqlen, max_len, rowwise=True, rows=False,
+                                   transposed=True, t_amax=want_amax)
+    assert torch.equal(lse2, want_lse2) and torch.equal(delta, want_delta) and torch.equal(dos, want_dos)
+    assert torch.equal(do_amax, want_amax) and bool((do_amax > 0).all())
+    assert torch.equal(do8.view(torch.uint8), want_do8.view(torch.uint8))
+    assert torch.equal(do8t.view(torch.uint8), want_do8t.view(torch.uint8))
+
+
 @pytest.mark.parametrize("n", [70, 48, 5])
 def test_key_permuted_transposed_copy(n, device):
     """_quantize(permuted=True), the V^T copy fp8_attention_sm90's P_SMEM=3 path reads: token r's column at

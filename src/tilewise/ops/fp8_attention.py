@@ -112,6 +112,7 @@ _INTERPRET = attn._INTERPRET
 # block. Smaller in the interpreter, so tiny test sequences span several blocks.
 KV_BLOCK = 32 if _INTERPRET else 128
 _ROWS_PER_QUANT_PROGRAM = 32 if _INTERPRET else 64  # rows a program of the row-scaled quantization pass takes
+_BOTH_COPIES = None  # probe: None, "fp8" or "float"
 _TINY = 1e-30  # an amax at or below this counts as 0 (its power-of-two multiplier would overflow float32)
 
 
@@ -242,7 +243,8 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
                   sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
                   ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, T_HEAD: tl.constexpr,
-                  VARLEN: tl.constexpr, EMU: tl.constexpr, PERMUTE_T: tl.constexpr = False):
+                  VARLEN: tl.constexpr, EMU: tl.constexpr, PERMUTE_T: tl.constexpr = False,
+                  T_FLOAT: tl.constexpr = False):
     """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
     copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens; packed:
     heads, head_dim, tokens with each sequence starting at CU_T) and the
@@ -275,12 +277,55 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
         if T_HEAD:
             inv, _ = _scales(tl.load(TA + h))
             xt8 = _e4m3(tl.trans(x.to(tl.float32)) * inv, EMU)
+        elif T_FLOAT:
+            xt8 = tl.trans(x8.to(tl.float32)).to(tl.float8e4nv)   # E4M3 values: exact both ways
         else:
             xt8 = tl.trans(x8)
         tl.store(ptrs, xt8, mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
 
 
 _quantize_launch = FastLauncher(_fp8_quantize)
+
+
+@triton.jit
+def _fp8_bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, DO8, DOS, DOA, CU,
+                  sob, sos, soh, sdb, sds, sdh, s8b, s8s, s8h, slb, slh, seqlen_q, b0, group,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, VARLEN: tl.constexpr,
+                  HAS_DLSE: tl.constexpr, EMU: tl.constexpr):
+    """The backward's passes over dO in one read of dO and O: attention._bwd_prep's delta and lse2, dO's
+    row-major E4M3 copy and row scales (_fp8_quantize's, the same _quantize_tile), and max |dO| per K/V head
+    into DOA (float32, zeroed; atomic max: the values are >= 0, so any order gives the same maximum). Before
+    this kernel the three were a prep pass, a quantization pass and a strided torch reduction: 170 us of the
+    FP8 backward's passes at 4 x 4096 x 16 x 128 on the H200 (bench/attention_passes.py)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, sq, _ = _seq_bounds(CU, b, seqlen_q, seqlen_q, VARLEN)
+    m0 = tl.program_id(0) * ROWS
+    if m0 >= sq:
+        return
+    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
+    rows = m0 + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + b64 * sob + start64 * sos + h64 * soh + rows.to(tl.int64)[:, None] * sos + offs_d[None, :],
+                   rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + rows.to(tl.int64)[:, None] * sds + offs_d[None, :],
+                    rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = b64 * slb + h64 * slh + start64 + rows
+    inside = rows < sq
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row, mask=inside, other=0.0)
+    lse = tl.load(LSE + row, mask=inside, other=0.0)
+    tl.store(DELTA + row, delta, mask=inside)
+    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=inside)
+    do8, scale = _quantize_tile(do, None, offs_d, True, False, BLOCK_D, EMU)
+    tl.store(DOS + row, scale, mask=inside)
+    _store_tile(DO8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :],
+                do8, rows, sq, offs_d, HEAD_DIM)
+    tl.atomic_max(DOA + h // group, tl.max(tl.max(tl.abs(do.to(tl.float32)), 1), 0))
+
+
+_bwd_prep_launch = FastLauncher(_fp8_bwd_prep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -770,7 +815,7 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
               t_amax=None, permuted=False):
     """E4M3 copies of x (q/k/v layout) and its scales: (x8 or None, x8t or None, scales). Row scales have
     the LSE's layout; block scales are (batch, heads, blocks of KV_BLOCK rows). t_amax: a float32 amax per
-    head that scales the transposed copy instead (see _head_amax). permuted: the transposed copy's tokens in
+    head that scales the transposed copy instead (see _dout_passes). permuted: the transposed copy's tokens in
     operand_order (dense layout only; what fp8_attention_sm90's register P path reads)."""
     packed = cu is not None
     if permuted and (packed or not transposed):
@@ -795,7 +840,8 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
     warps = 8 if block * block_d >= 16384 else 4
     # Both copies in one kernel miscompile on sm_90 with Triton 3.6's ptxas (see tilewise.ops.fp8_cast; here
     # for bf16 input too): the row-major copy and the transposed one are written by separate launches.
-    passes = [(True, False), (False, True)] if rows and transposed else [(rows, transposed)]
+    one = rows and transposed and _BOTH_COPIES is not None and x.dtype in (torch.bfloat16, torch.float16)
+    passes = [(True, True)] if one else [(True, False), (False, True)] if rows and transposed else [(rows, transposed)]
     for write_rows, write_t in passes:
         for b0 in range(0, batch, attn._MAX_GRID_YZ):
             nb = min(batch - b0, attn._MAX_GRID_YZ)
@@ -806,15 +852,39 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
                 *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
                 WRITE_ROWS=write_rows, WRITE_T=write_t, T_HEAD=t_amax is not None, VARLEN=packed,
-                EMU=_INTERPRET, PERMUTE_T=permuted and write_t, num_warps=warps)
+                EMU=_INTERPRET, PERMUTE_T=permuted and write_t, T_FLOAT=one and _BOTH_COPIES == "float",
+                num_warps=warps)
     return x8, x8t, scales
 
 
-def _head_amax(x, group, packed):
-    """max |x| per head as float32 (heads,), each the maximum over its group of heads (the query heads that
-    share one K/V head): the dK/dV kernel sums over a group into one accumulator, so it needs one scale."""
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=(0, 2) if packed else (0, 1, 3), dtype=torch.float32)
-    return amax.view(-1, group).amax(1).repeat_interleave(group) if group > 1 else amax
+def _dout_passes(dout, out, lse, dlse, cu, cu_t, batch, seqlen_q, max_q, heads, kv_heads, total):
+    """The backward's operands made from dO: (lse2, delta, do8, do8t, dos, do_amax). One pass
+    (_fp8_bwd_prep) reads dO and O for lse2, delta (attention._backward_prep's), the row-major E4M3 dO and its
+    row scales dos, and max |dO| per K/V head; a second writes the transposed copy do8t scaled by that
+    maximum (do_amax, float32 (heads,): each query head gets its group's, since the dK/dV kernel sums a group
+    into one dV accumulator, which needs one scale). dout has a unit last stride."""
+    packed = cu is not None
+    head_dim = dout.shape[-1]
+    lse = lse.contiguous()
+    lse2 = _new(lse.shape, torch.float32, dout.device)
+    delta = _new(lse.shape, torch.float32, dout.device)
+    dos = _new(lse.shape, torch.float32, dout.device)
+    do8 = _new(dout.shape, _FP8, dout.device)
+    amax = torch.zeros(kv_heads, dtype=torch.float32, device=dout.device)
+    has_dlse = dlse is not None
+    dlse_arg = dlse.contiguous() if has_dlse else lse
+    for b0 in range(0, batch, attn._MAX_GRID_YZ):
+        nb = min(batch - b0, attn._MAX_GRID_YZ)
+        _bwd_prep_launch(
+            (_cdiv(max_q, _ROWS_PER_QUANT_PROGRAM), heads, nb), out, dout, dlse_arg, lse, lse2, delta, do8, dos,
+            amax, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed), *_seq_strides(do8, packed),
+            *attn._lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0, heads // kv_heads,
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), ROWS=_ROWS_PER_QUANT_PROGRAM, VARLEN=packed,
+            HAS_DLSE=has_dlse, EMU=_INTERPRET, num_warps=8 if _ROWS_PER_QUANT_PROGRAM * head_dim >= 16384 else 4)
+    do_amax = amax.repeat_interleave(heads // kv_heads) if heads != kv_heads else amax
+    _, do8t, _ = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rows=False, transposed=True,
+                           t_amax=do_amax)
+    return lse2, delta, do8, do8t, dos, do_amax
 
 
 def _t_descriptor(t, packed, block_cols):
@@ -911,13 +981,11 @@ def _fp8_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax
         dout = dout.contiguous()
     total = q.shape[0] if packed else 0
     cu = cu_seqlens.to(q.device) if packed else None
-    lse2, delta = attn._backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total)
     cu_t = _t_offsets(cu) if packed else None
+    lse2, delta, do8, do8t, dos, do_amax = _dout_passes(dout, out, lse, dlse, cu, cu_t, batch, seqlen_q, max_q,
+                                                        heads, kv_heads, total)
     rot = rotation(head_dim, q.device) if rotate else None
     q8, q8t, qs = _quantize(q, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, rot=rot, transposed=True)
-    do_amax = _head_amax(dout, heads // kv_heads, packed)
-    do8, do8t, dos = _quantize(dout, cu, cu_t, batch, seqlen_q, max_q, rowwise=True, transposed=True,
-                               t_amax=do_amax)
     k8, k8t, ks = _quantize(k, cu, cu_t, batch, seqlen_k, max_k, rowwise=False, rot=rot, transposed=True)
     v8, _, vs = _quantize(v, cu, cu_t, batch, seqlen_k, max_k, rowwise=False)
     tma = _tma(q.device, head_dim)

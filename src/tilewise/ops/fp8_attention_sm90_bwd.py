@@ -20,11 +20,11 @@ gpu tests of tests/ops/test_fp8_attention_sm90_bwd.py passed at 430a7e0.
 
 What it computes: the two main kernels of fp8_attention.py's backward (`_fp8_bwd_dkdv`, `_fp8_bwd_dq`) for the
 dense layout, on exactly the operands `_fp8_backward` prepares (prepare() below makes the same calls:
-attention.py's `_backward_prep`, then fp8_attention's `_quantize` and `_head_amax`), with the same scale rules:
+fp8_attention's `_dout_passes` and `_quantize`), with the same scale rules:
 - lse2 = lse * log2(e), delta = rowsum(dO * O), float32 (batch, heads_q, seqlen), from the bf16/fp16 O, dO.
 - Q: E4M3, one power-of-two scale per row (qs, the LSE's layout), row-major (batch, seqlen, heads_q, d) and
   transposed (batch, heads_q, d, seqlen padded to 16, the padding zero). dO: the same (dos), except that its
-  transposed copy is scaled by one power of two per head (`_head_amax`: the maximum over the query heads of a
+  transposed copy is scaled by one power of two per head (`_dout_passes`: the maximum over the query heads of a
   GQA group) instead of its row scales. K: E4M3 row-major and transposed, one scale per KV_BLOCK (128) rows of
   one head (ks, (batch, heads_kv, blocks)); V: E4M3 row-major, scaled as K (vs). FP8 wgmma on sm_90 reads both
   shared-memory operands K-major, hence the transposed copies: the B operand of a GEMM that reduces over
@@ -816,18 +816,14 @@ def _check(dout, q, k, v, out, lse, causal, softmax_scale, rotate):
 
 def prepare(dout, q, k, v, out, lse) -> Prepared:
     """The kernels' inputs, by the calls fp8_attention._fp8_backward makes for the dense layout without
-    rotation or dLSE: attention.py's prep (lse2, delta), Q and dO per row (each also transposed; dO's
-    transposed copy on its per-head amax), K per block (also transposed), V per block."""
-    from .attention import _backward_prep
+    rotation or dLSE: its dO passes (lse2, delta, dO per row and transposed on its per-head amax), Q per row
+    (also transposed), K per block (also transposed), V per block."""
     batch, seqlen, heads, _ = q.shape
-    group = heads // k.shape[2]
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    lse2, delta = _backward_prep(dout, out, lse, None, None, batch, seqlen, seqlen, heads, 0)
+    lse2, delta, do8, do8t, dos, do_amax = f8._dout_passes(dout, out, lse, None, None, None, batch, seqlen, seqlen,
+                                                           heads, k.shape[2], 0)
     q8, q8t, qs = f8._quantize(q, None, None, batch, seqlen, seqlen, rowwise=True, rot=None, transposed=True)
-    do_amax = f8._head_amax(dout, group, False)
-    do8, do8t, dos = f8._quantize(dout, None, None, batch, seqlen, seqlen, rowwise=True, transposed=True,
-                                  t_amax=do_amax)
     k8, k8t, ks = f8._quantize(k, None, None, batch, seqlen, seqlen, rowwise=False, rot=None, transposed=True)
     v8, _, vs = f8._quantize(v, None, None, batch, seqlen, seqlen, rowwise=False)
     return Prepared(lse2, delta, q8, q8t, qs, do8, do8t, dos, do_amax, k8, k8t, ks, v8, vs)
