@@ -6,11 +6,6 @@ torch.profiler (CUDA activity only) after warm-up; every kernel's GPU microsecon
 beside them the call's do_bench median, so the gap between the kernels' sum and the call's time shows.
 What is not the attention kernels themselves is the passes' share (quantization, prep, vectors).
 
---probe-both-copies first checks, byte for byte against the two-launch pass, the quantization pass writing
-a 16-bit tensor's row-major and transposed E4M3 copies in one launch (fp8_attention._BOTH_COPIES: "fp8",
-the transposed FP8 tile; "float", its values transposed as float32 and cast again), and then profiles the
-FP8 backward once more with each clean way.
-
     PYTHONPATH=src python bench/attention_passes.py --out DIR    # writes DIR/attention_passes.json
 """
 from __future__ import annotations
@@ -44,48 +39,15 @@ def kernel_us(torch, fn, calls=CALLS):
     return {name: round(us / calls, 1) for name, us in totals.most_common()}
 
 
-def both_copies_problems(torch, f8, mode):
-    """Wrong bytes of the one-launch pass (f8._BOTH_COPIES = mode) against the two-launch one, per case."""
-    problems = {}
-    for dtype in (torch.bfloat16, torch.float16):
-        for batch, n, heads, d in ((4, 4096, 16, 128), (2, 1000, 8, 64), (3, 37, 4, 128)):
-            x = torch.randn(batch, n, heads, d, device="cuda", dtype=dtype) * 3
-            for rowwise in (True, False):
-                for rotate in (False, True):
-                    rot = f8.rotation(d, "cuda") if rotate else None
-                    got = []
-                    for m in (None, mode):
-                        f8._BOTH_COPIES = m
-                        got.append(f8._quantize(x, None, None, batch, n, n, rowwise=rowwise, rot=rot, transposed=True))
-                    f8._BOTH_COPIES = None
-                    (a8, a8t, asc), (b8, b8t, bsc) = got
-                    bad = (int((a8.view(torch.uint8) != b8.view(torch.uint8)).sum())
-                           + int((a8t[..., :n].view(torch.uint8) != b8t[..., :n].view(torch.uint8)).sum())
-                           + int((asc != bsc).sum()))
-                    if bad:
-                        problems[f"{dtype} {(batch, n, heads, d)} rowwise={rowwise} rotate={rotate}"] = bad
-    return problems
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="folder for attention_passes.json")
     p.add_argument("--shapes", default=None, metavar="B,N,H,D;...", help="shapes instead of the defaults")
-    p.add_argument("--probe-both-copies", action="store_true", help="check and profile the one-launch pass")
     args = p.parse_args(argv)
     import torch
     import triton
     from common import environment
     from tilewise.ops import flash_attention, fp8_flash_attention
-    from tilewise.ops import fp8_attention as f8
-
-    modes, probe = [None], {}
-    if args.probe_both_copies:
-        for mode in ("fp8", "float"):
-            probe[mode] = both_copies_problems(torch, f8, mode)
-            print(f"one-launch pass ({mode}): {'clean' if not probe[mode] else probe[mode]}", flush=True)
-            if not probe[mode]:
-                modes.append(mode)
 
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     calls = {"bf16": lambda q, k, v, c: flash_attention(q, k, v, causal=c),
@@ -97,10 +59,7 @@ def main(argv=None):
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                        .requires_grad_() for _ in range(3))
             dout = torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            runs = [(name, fn, None) for name, fn in calls.items()]
-            runs += [("fp8", calls["fp8"], mode) for mode in modes[1:]]
-            for name, fn, mode in runs:
-                f8._BOTH_COPIES = mode
+            for name, fn in calls.items():
                 fwd = lambda: fn(q, k, v, causal)  # noqa: E731
                 out = fwd()   # tunes and races here
                 out.backward(dout, retain_graph=True)
@@ -111,7 +70,7 @@ def main(argv=None):
                     out.backward(dout, retain_graph=True)
                 bwd()
                 row = {"shape": {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": d, "causal": causal},
-                       "call": name if mode is None else f"{name}_both_copies_{mode}"}
+                       "call": name}
                 for direction, f in (("fwd", fwd), ("bwd", bwd)):
                     ms = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
                     kernels = kernel_us(torch, f)
@@ -125,9 +84,8 @@ def main(argv=None):
                     for kname, us in row[d_]["kernels_us"].items():
                         print(f"    {d_} {us:9.1f} us  {kname[:110]}")
                 del out
-                f8._BOTH_COPIES = None
     result = {**environment(), "area": "attention_passes", "command": "PYTHONPATH=src python "
-              "bench/attention_passes.py --out DIR", "both_copies_problems": probe, "rows": rows}
+              "bench/attention_passes.py --out DIR", "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "attention_passes.json"), "w") as f:

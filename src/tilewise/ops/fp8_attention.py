@@ -112,7 +112,6 @@ _INTERPRET = attn._INTERPRET
 # block. Smaller in the interpreter, so tiny test sequences span several blocks.
 KV_BLOCK = 32 if _INTERPRET else 128
 _ROWS_PER_QUANT_PROGRAM = 32 if _INTERPRET else 64  # rows a program of the row-scaled quantization pass takes
-_BOTH_COPIES = None  # probe: None, "fp8" or "float"
 _TINY = 1e-30  # an amax at or below this counts as 0 (its power-of-two multiplier would overflow float32)
 
 
@@ -243,8 +242,7 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
                   sxb, sxs, sxh, s8b, s8s, s8h, stb, sth, std, scb, sch, seqlen, b0,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, ROWWISE: tl.constexpr,
                   ROTATE: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, T_HEAD: tl.constexpr,
-                  VARLEN: tl.constexpr, EMU: tl.constexpr, PERMUTE_T: tl.constexpr = False,
-                  T_FLOAT: tl.constexpr = False):
+                  VARLEN: tl.constexpr, EMU: tl.constexpr, PERMUTE_T: tl.constexpr = False):
     """Grid (row blocks, heads, batch): ROWS rows of one head of one sequence to E4M3. Writes the row-major
     copy X8 (X's shape, contiguous), the transposed copy X8T (batch, heads, head_dim, padded tokens; packed:
     heads, head_dim, tokens with each sequence starting at CU_T) and the
@@ -277,8 +275,6 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
         if T_HEAD:
             inv, _ = _scales(tl.load(TA + h))
             xt8 = _e4m3(tl.trans(x.to(tl.float32)) * inv, EMU)
-        elif T_FLOAT:
-            xt8 = tl.trans(x8.to(tl.float32)).to(tl.float8e4nv)   # E4M3 values: exact both ways
         else:
             xt8 = tl.trans(x8)
         tl.store(ptrs, xt8, mask=(offs_d[:, None] < HEAD_DIM) & (rows[None, :] < sl))
@@ -294,9 +290,10 @@ def _fp8_bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, DO8, DOS, DOA, CU,
                   HAS_DLSE: tl.constexpr, EMU: tl.constexpr):
     """The backward's passes over dO in one read of dO and O: attention._bwd_prep's delta and lse2, dO's
     row-major E4M3 copy and row scales (_fp8_quantize's, the same _quantize_tile), and max |dO| per K/V head
-    into DOA (float32, zeroed; atomic max: the values are >= 0, so any order gives the same maximum). Before
-    this kernel the three were a prep pass, a quantization pass and a strided torch reduction: 170 us of the
-    FP8 backward's passes at 4 x 4096 x 16 x 128 on the H200 (bench/attention_passes.py)."""
+    into DOA (float32, zeroed; atomic max: the values are >= 0, so any order gives the same maximum). The
+    three were a prep pass, a quantization pass and a strided torch reduction (66 us alone); with this kernel
+    the FP8 backward's passes went from 304 to 221 us at 4 x 4096 x 16 x 128 on the H200
+    (bench/results/sm90/attention_passes_{c755209,eeda825}.json)."""
     h = tl.program_id(1)
     b = tl.program_id(2) + b0
     start, sq, _ = _seq_bounds(CU, b, seqlen_q, seqlen_q, VARLEN)
@@ -840,8 +837,10 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
     warps = 8 if block * block_d >= 16384 else 4
     # Both copies in one kernel miscompile on sm_90 with Triton 3.6's ptxas (see tilewise.ops.fp8_cast; here
     # for bf16 input too): the row-major copy and the transposed one are written by separate launches.
-    one = rows and transposed and _BOTH_COPIES is not None and x.dtype in (torch.bfloat16, torch.float16)
-    passes = [(True, True)] if one else [(True, False), (False, True)] if rows and transposed else [(rows, transposed)]
+    # Tried again at eeda825 for bf16 and fp16 input (the transposed E4M3 tile, or its values transposed as
+    # float32 and cast again): wrong bytes in every row-scaled and every rotated case on the H200, clean only
+    # for block scales without rotation (bench/results/sm90/attention_passes_eeda825.json).
+    passes = [(True, False), (False, True)] if rows and transposed else [(rows, transposed)]
     for write_rows, write_t in passes:
         for b0 in range(0, batch, attn._MAX_GRID_YZ):
             nb = min(batch - b0, attn._MAX_GRID_YZ)
@@ -852,8 +851,7 @@ def _quantize(x, cu, cu_t, batch, seqlen, max_len, *, rowwise, rot=None, rows=Tr
                 *(_t_strides(x8t, packed) if transposed else (0, 0, 0)), *scale_strides, seqlen, b0,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=block, ROWWISE=rowwise, ROTATE=rot is not None,
                 WRITE_ROWS=write_rows, WRITE_T=write_t, T_HEAD=t_amax is not None, VARLEN=packed,
-                EMU=_INTERPRET, PERMUTE_T=permuted and write_t, T_FLOAT=one and _BOTH_COPIES == "float",
-                num_warps=warps)
+                EMU=_INTERPRET, PERMUTE_T=permuted and write_t, num_warps=warps)
     return x8, x8t, scales
 
 
