@@ -374,8 +374,9 @@ def test_transposed_copies_match_row_copies(packed, dtype, device):
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_dout_passes_match_the_separate_passes(packed, heads, kv_heads, with_dlse, device):
     """_dout_passes' fused pass (lse2, delta, dO's row copy and scales, max |dO| per K/V head) against the
-    passes it replaced, bit for bit: attention's prep kernel, the row-scaled quantization pass, and torch's
-    max over each GQA group's heads."""
+    passes it replaced: attention's prep kernel, the row-scaled quantization pass, and torch's max over each
+    GQA group's heads. Bit for bit, except delta on the GPU, a float32 row sum whose order the compiler
+    chooses per kernel (on the H200 the two kernels' sums were not bitwise equal)."""
     from tilewise.ops import attention as attn
     d = 64
     if packed:
@@ -398,7 +399,10 @@ def test_dout_passes_match_the_separate_passes(packed, heads, kv_heads, with_dls
     want_amax = amax.view(-1, group).amax(1).repeat_interleave(group)
     _, want_do8t, _ = f8._quantize(dout, cu, cu_t, batch, seqlen, max_len, rowwise=True, rows=False,
                                    transposed=True, t_amax=want_amax)
-    assert torch.equal(lse2, want_lse2) and torch.equal(delta, want_delta) and torch.equal(dos, want_dos)
+    assert torch.equal(lse2, want_lse2) and torch.equal(dos, want_dos)
+    if device == "cpu":
+        assert torch.equal(delta, want_delta)
+    torch.testing.assert_close(delta, want_delta, rtol=1e-5, atol=1e-5 * want_delta.abs().max().item())
     assert torch.equal(do_amax, want_amax) and bool((do_amax > 0).all())
     assert torch.equal(do8.view(torch.uint8), want_do8.view(torch.uint8))
     assert torch.equal(do8t.view(torch.uint8), want_do8t.view(torch.uint8))
