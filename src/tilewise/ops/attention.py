@@ -386,9 +386,15 @@ def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
                    offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + offs_m.to(tl.int64)[:, None] * sds + offs_d[None, :],
                     offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, b64 * slb + h64 * slh + start64 + offs_m, offs_m < sq,
+                      HAS_DLSE)
+
+
+@triton.jit
+def _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, row, mask, HAS_DLSE: tl.constexpr):
+    """The prep kernels' shared rows (this module's and fp8_attention's dO pass): delta = rowsum(dO * O) - dLSE
+    and lse2 = lse * log2(e), stored at the LSE layout's offsets `row`."""
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    row = b64 * slb + h64 * slh + start64 + offs_m
-    mask = offs_m < sq
     if HAS_DLSE:
         delta -= tl.load(DLSE + row, mask=mask, other=0.0)
     lse = tl.load(LSE + row, mask=mask, other=0.0)

@@ -100,7 +100,7 @@ import triton.language as tl
 
 from . import attention as attn
 from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_program, _key_range, _load_tile, _query_program,
-                        _query_range, _seq_bounds, _store_tile)
+                        _query_range, _seq_bounds, _store_delta_lse2, _store_tile)
 from .dispatch import use_triton
 from .launch import FastLauncher
 
@@ -309,12 +309,7 @@ def _fp8_bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, DO8, DOS, DOA, CU,
                     rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
     row = b64 * slb + h64 * slh + start64 + rows
     inside = rows < sq
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row, mask=inside, other=0.0)
-    lse = tl.load(LSE + row, mask=inside, other=0.0)
-    tl.store(DELTA + row, delta, mask=inside)
-    tl.store(LSE2 + row, tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634), mask=inside)
+    _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, row, inside, HAS_DLSE)
     do8, scale = _quantize_tile(do, None, offs_d, True, False, BLOCK_D, EMU)
     tl.store(DOS + row, scale, mask=inside)
     _store_tile(DO8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :],
@@ -322,7 +317,7 @@ def _fp8_bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, DO8, DOS, DOA, CU,
     tl.atomic_max(DOA + h // group, tl.max(tl.max(tl.abs(do.to(tl.float32)), 1), 0))
 
 
-_bwd_prep_launch = FastLauncher(_fp8_bwd_prep)
+_dout_prep_launch = FastLauncher(_fp8_bwd_prep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -873,7 +868,7 @@ def _dout_passes(dout, out, lse, dlse, cu, cu_t, batch, seqlen_q, max_q, heads, 
     dlse_arg = dlse.contiguous() if has_dlse else lse
     for b0 in range(0, batch, attn._MAX_GRID_YZ):
         nb = min(batch - b0, attn._MAX_GRID_YZ)
-        _bwd_prep_launch(
+        _dout_prep_launch(
             (_cdiv(max_q, _ROWS_PER_QUANT_PROGRAM), heads, nb), out, dout, dlse_arg, lse, lse2, delta, do8, dos,
             amax, cu, *_seq_strides(out, packed), *_seq_strides(dout, packed), *_seq_strides(do8, packed),
             *attn._lse_strides(heads, seqlen_q, total, packed), seqlen_q, b0, heads // kv_heads,
