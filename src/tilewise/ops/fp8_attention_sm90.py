@@ -98,10 +98,10 @@ import torch
 from . import attention_sm90 as a9
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
-from .gluon_sm90 import (FLAGS_LAYOUT, GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, any_flagged,
-                         aot_compile, fence_async_shared, flag_rows, gl, gluon, invalidate_kv_ring, kv_ring_barriers,
-                         mbarrier, new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max,
-                         row_sum, stream_kv, tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
+                         fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
+                         on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum, stream_kv,
+                         tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
@@ -122,20 +122,16 @@ KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the block
 # checked ahead of time); with PERSISTENT it spills (27 words non-causal), so no such entry. Not timed on the
 # GPU yet, so no default uses it.
 # (.., P_SMEM, PINGPONG, PERSISTENT): see the module docstring; PERSISTENT with neither PINGPONG nor P_SMEM=2.
-# (.., PERSISTENT, SKIP_RESCALE) with P_SMEM=1: the output accumulator (64 FMULs a thread at d128) is
-# rescaled only in key blocks where some row's factor (softmax correction times V-scale change) is not
-# exactly 1, decided warpgroup-wide by one flag a warp through shared memory read after the loop's P barrier
-# (gluon_sm90.flag_rows / any_flagged), so the outputs are the same bits. Built for sm_90a at this commit: no
-# new barrier or wgmma wait; d128 loops of 685-693 static instructions against 666-672, the 64 FMULs in a branch; the
-# persistent causal build spills 14 words against the default's 8. Not yet run on a GPU, so no default.
+# Tried and removed: rescaling O only in key blocks where some row's factor is not exactly 1 (a flag a warp
+# read after the P barrier): the same bits, but 0.89-0.96x the plain configs on the H200 (d128, (4, 4096, 16) and
+# (1, 16384, 16), causal and not; bench/results/sm90/skip_rescale_1a9dc12.json).
 P_PERMUTED = 3
 CONFIGS = {
     128: [(64, 128, 2, 1), (64, 128, 3, 1), (64, 128, 4, 1), (64, 64, 3, 1), (64, 128, 2), (64, 128, 3),
           (64, 64, 3), (64, 128, 4), (64, 64, 4), (64, 128, 3, 1, 0, 1), (64, 128, 2, 1, 0, 1),
-          (64, 128, 2, 1, 1), (64, 128, 2, 3), (64, 128, 3, 3), (64, 128, 2, 3, 1), (64, 128, 2, 1, 0, 0, 1),
-          (64, 128, 3, 1, 0, 1, 1)],
+          (64, 128, 2, 1, 1), (64, 128, 2, 3), (64, 128, 3, 3), (64, 128, 2, 3, 1)],
     64: [(64, 128, 3, 1), (64, 128, 2, 1), (64, 128, 3), (64, 128, 2), (64, 64, 4), (64, 128, 4),
-         (64, 128, 3, 1, 0, 1), (64, 128, 3, 3), (64, 128, 3, 1, 0, 0, 1)],
+         (64, 128, 3, 1, 0, 1), (64, 128, 3, 3)],
 }
 # The softmax's row max and row sum as gluon_sm90.row_max / row_sum's trees (True) or gl.max / gl.sum's
 # chains (False, the default). The trees build for sm_90a with no spills and give the same outputs to 0.3%
@@ -154,24 +150,19 @@ def default_config(head_dim: int, seqlen=None) -> tuple:
 
 
 def _config(head_dim, config, seqlen=None):
-    """(BLOCK_M, BLOCK_N, STAGES, P_SMEM, PINGPONG, PERSISTENT, SKIP_RESCALE) of a config (default_config
-    for None)."""
+    """(BLOCK_M, BLOCK_N, STAGES, P_SMEM, PINGPONG, PERSISTENT) of a config (default_config for None)."""
     cfg = tuple(config if config is not None else default_config(head_dim, seqlen))
-    if len(cfg) not in (3, 4, 5, 6, 7):
+    if len(cfg) not in (3, 4, 5, 6):
         raise ValueError(f"fp8_attention_sm90: config {cfg} is not (BLOCK_M, BLOCK_N, STAGES[, P_SMEM[, PINGPONG"
-                         f"[, PERSISTENT[, SKIP_RESCALE]]]])")
-    bm, bn, stages, p_smem, pingpong, persistent, skip = (*cfg, 0, 0, 0, 0)[:7]
-    if p_smem not in (0, 1, 2, P_PERMUTED) or pingpong not in (0, 1) or persistent not in (0, 1) \
-            or skip not in (0, 1):
-        raise ValueError(f"fp8_attention_sm90: config {cfg}: P_SMEM is 0, 1, 2 or {P_PERMUTED}, PINGPONG, "
-                         f"PERSISTENT and SKIP_RESCALE 0 or 1")
-    if skip and p_smem != 1:
-        raise ValueError(f"fp8_attention_sm90: config {cfg}: SKIP_RESCALE needs P_SMEM=1 (its flags ride on "
-                         f"that store's barrier)")
+                         f"[, PERSISTENT]]])")
+    bm, bn, stages, p_smem, pingpong, persistent = (*cfg, 0, 0, 0)[:6]
+    if p_smem not in (0, 1, 2, P_PERMUTED) or pingpong not in (0, 1) or persistent not in (0, 1):
+        raise ValueError(f"fp8_attention_sm90: config {cfg}: P_SMEM is 0, 1, 2 or {P_PERMUTED}, PINGPONG and "
+                         f"PERSISTENT 0 or 1")
     if persistent and (pingpong or p_smem == 2):
         raise ValueError(f"fp8_attention_sm90: config {cfg}: PERSISTENT combines with neither PINGPONG (its turns "
                          f"count one tile's batches) nor P_SMEM=2 (the next tile's Q loads into that P buffer)")
-    return bm, bn, stages, p_smem, pingpong, persistent, skip
+    return bm, bn, stages, p_smem, pingpong, persistent
 
 
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
@@ -222,12 +213,12 @@ if gl is not None:
                 return p_op
 
         @gluon.jit
-        def _consumer(q_tile, q8_tile, p_tiles, flags, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
-                      v_free, my_turn, other_turn, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks,
-                      qk_scale, q_phase, filled, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
+        def _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                      my_turn, other_turn, O, LSE, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+                      q_phase, filled, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
                       P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
-                      TREE: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                      TREE: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h): quantize Q
             into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together.
             With PINGPONG the two warpgroups take turns issuing their batch of wgmmas (batch j of the FIRST,
@@ -339,14 +330,10 @@ if gl is not None:
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
                 m_i = m_new
-                # acc goes from V_{j-1}'s units to V_j's, with the softmax correction (as _fp8_fwd_blocks)
-                factor = alpha * (vs_i / vs)
                 if P_SMEM == 1:   # the other buffer: P_{j-2} V_{j-2}, its last reader, was waited for
                     p_next = p_tiles.index(j % 2)
                     p_next.store(p.to(fp8))
                     fence_async_shared()
-                    if SKIP_RESCALE:   # whether a row's factor is not exactly 1, read after the barrier
-                        flag_rows(factor != 1.0, flags, j % 2, BLOCK_M)
                 elif P_SMEM == 2:
                     p8 = p.to(fp8)
                 elif P_SMEM == 3:
@@ -359,16 +346,12 @@ if gl is not None:
                     p_tiles.store(p8)
                     fence_async_shared()
                     p_next = p_tiles
-                if SKIP_RESCALE:   # (P_SMEM=1) acc is rescaled only when some row's factor is not 1
-                    gl.thread_barrier()   # every thread's share of P_j stored before its wgmma; the flags
-                    if any_flagged(flags, j % 2):
-                        acc = acc * gl.expand_dims(gl.convert_layout(factor, row_o), 1)
-                else:
-                    acc = acc * gl.expand_dims(gl.convert_layout(factor, row_o), 1)
-                    if P_SMEM == 1 or P_SMEM == 2:
-                        gl.thread_barrier()   # every thread's share of P_j stored before its wgmma
+                # acc from V_{j-1}'s units to V_j's, with the softmax correction (as _fp8_fwd_blocks)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha * (vs_i / vs), row_o), 1)
                 vs_i = vs
                 p_op = p_next
+                if P_SMEM == 1 or P_SMEM == 2:
+                    gl.thread_barrier()   # every thread's share of P_j stored before its wgmma
 
             last = (filled + n_blocks - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((filled + n_blocks - 1) // STAGES) & 1)
@@ -408,12 +391,11 @@ if gl is not None:
                       n_blocks, BLOCK_N, STAGES, True)
 
         @gluon.jit
-        def _consumer_tiles(q_tile, q8_tile, p_tiles, flags, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
-                            v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group, n_pairs, units, section, n_tiles,
+        def _consumer_tiles(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                            O, LSE, KS, VS, ssb, ssh, seqlen, heads, group, n_pairs, units, section, n_tiles,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                            P_SMEM: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr,
-                            SKIP_RESCALE: gl.constexpr):
+                            P_SMEM: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr):
             """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's second
             with SECOND) of tiles pid, pid + nprog, ..., the producer's order; tile i's Q is q_bar's phase
             i & 1, and the ring's slots run on from tile to tile."""
@@ -423,10 +405,10 @@ if gl is not None:
                 h, b, hk, m0, n_blocks = query_pair_tile(t, n_pairs, heads, units, section, seqlen, group, BLOCK_M,
                                                          BLOCK_N, CAUSAL)
                 s_base = b.to(gl.int64) * ssb + hk * ssh
-                _consumer(q_tile, q8_tile, p_tiles, flags, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
-                          v_free, q_free, q_free, O, LSE, KS, VS, s_base, m0 + SECOND * BLOCK_M, seqlen, b, h, heads,
+                _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
+                          q_free, q_free, O, LSE, KS, VS, s_base, m0 + SECOND * BLOCK_M, seqlen, b, h, heads,
                           n_blocks, qk_scale, q_phase, filled, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK,
-                          P_SMEM, False, not SECOND, True, TREE, SKIP_RESCALE)
+                          P_SMEM, False, not SECOND, True, TREE)
                 filled += n_blocks
                 q_phase ^= 1
 
@@ -435,8 +417,7 @@ if gl is not None:
                           qk_scale, batch, section, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
                           P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr,
-                          SKIP_RESCALE: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr):
+                          PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
             grid (programs,) of at most one per SM over tiles pid, pid + programs, ... in query_pair_tile's
             order (`section`: its causal section, in units of (batch, head)), as attention_sm90's."""
@@ -455,8 +436,6 @@ if gl is not None:
             mbarrier.init(q_bar, count=1)
             mbarrier.init(turn.index(0), count=1)
             mbarrier.init(turn.index(1), count=1)
-            flags0 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)   # each consumer's (SKIP_RESCALE)
-            flags1 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)
             q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())   # PERSISTENT only
             mbarrier.init(q_free, count=2)   # one arrive per consumer warpgroup and tile
             fence_async_shared()
@@ -488,14 +467,14 @@ if gl is not None:
                 units = heads * batch
                 n_tiles = n_pairs * units
                 gl.warp_specialize([
-                    (_consumer_tiles, (q_tile0, q8_tiles.index(0), p0, flags0, k_ring, v_ring, q_bar, q_free,
-                                       k_full, v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads,
-                                       group, n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M,
-                                       BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0, TREE, SKIP_RESCALE)),
-                    (_consumer_tiles, (q_tile1, q8_tiles.index(1), p1, flags1, k_ring, v_ring, q_bar, q_free,
-                                       k_full, v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads,
-                                       group, n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M,
-                                       BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1, TREE, SKIP_RESCALE)),
+                    (_consumer_tiles, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full,
+                                       v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
+                                       n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0, TREE)),
+                    (_consumer_tiles, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full,
+                                       v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
+                                       n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1, TREE)),
                     (produce_tiles, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free,
                                      k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs, units, section,
                                      n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
@@ -503,15 +482,14 @@ if gl is not None:
             else:
                 s_base = b.to(gl.int64) * ssb + hk * ssh
                 gl.warp_specialize([
-                    (_consumer, (q_tile0, q8_tiles.index(0), p0, flags0, k_ring, v_ring, q_bar, q_free, k_full,
-                                 v_full, k_free, v_free, turn.index(0), turn.index(1), O, LSE, KS, VS, s_base, m0,
-                                 seqlen, b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                 CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, True, False, TREE, SKIP_RESCALE)),
-                    (_consumer, (q_tile1, q8_tiles.index(1), p1, flags1, k_ring, v_ring, q_bar, q_free, k_full,
-                                 v_full, k_free, v_free, turn.index(1), turn.index(0), O, LSE, KS, VS, s_base,
+                    (_consumer, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                                 k_free, v_free, turn.index(0), turn.index(1), O, LSE, KS, VS, s_base, m0, seqlen,
+                                 b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
+                                 KV_BLOCK, P_SMEM, PINGPONG, True, False, TREE)),
+                    (_consumer, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
+                                 k_free, v_free, turn.index(1), turn.index(0), O, LSE, KS, VS, s_base,
                                  m0 + BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M,
-                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False, TREE,
-                                 SKIP_RESCALE)),
+                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False, TREE)),
                     (_producer, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, k_full, v_full,
                                  k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
                                  (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
@@ -543,11 +521,10 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     config as in forward(). What bench/fp8_attention_sm90.py --aot-only inspects and available() tries once."""
     if _fp8_fwd_sm90 is None:
         raise RuntimeError(f"no Gluon kernel in this Triton: {_GLUON_ERROR}")
-    bm, bn, stages, p_smem, pingpong, persistent, skip = _config(head_dim, config)
+    bm, bn, stages, p_smem, pingpong, persistent = _config(head_dim, config)
     q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
                   P_SMEM=p_smem, PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), TREE=TREE_ROWS,
-                  SKIP_RESCALE=bool(skip),
                   **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type("fp8e4nv", (bn, head_dim), k_layout),
@@ -633,7 +610,7 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
         _fail("ks and vs must share strides")
     if any(t.device != q.device for t in (k8, v8t, ks, vs)):
         _fail("all operands on q's device")
-    bm, bn, stages, p_smem, pingpong, persistent, skip = _config(d, config, seqlen)
+    bm, bn, stages, p_smem, pingpong, persistent = _config(d, config, seqlen)
     if (p_smem == P_PERMUTED) != bool(v_permuted):
         _fail(f"config P_SMEM={p_smem} with v_permuted={bool(v_permuted)}: P_SMEM={P_PERMUTED} reads the "
               f"key-permuted V^T copy (quantize_kv(permuted=True)), every other config the plain one")
@@ -666,8 +643,7 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     _FWD_LAUNCH(grid, q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, group, ks.stride(0),
                 ks.stride(1), softmax_scale * LOG2E, batch, section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
                 STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=p_smem, PINGPONG=bool(pingpong),
-                PERSISTENT=bool(persistent), TREE=TREE_ROWS, SKIP_RESCALE=bool(skip), **ROLE_CONSTS,
-                num_warps=num_warps)
+                PERSISTENT=bool(persistent), TREE=TREE_ROWS, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse
 
 

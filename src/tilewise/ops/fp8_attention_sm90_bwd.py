@@ -117,9 +117,9 @@ import torch
 
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
-from .gluon_sm90 import (FLAGS_LAYOUT, GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, any_flagged,
-                         aot_compile, check_dense, fence_async_shared, flag_rows, gl, gluon, mbarrier, new_output,
-                         on_sm90, query_pair_work, tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
+from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, check_dense,
+                         fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
+                         tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
 try:
@@ -131,8 +131,8 @@ LOG2E = 1.4426950408889634
 KV_BLOCK_GPU = 128   # fp8_attention.KV_BLOCK outside the interpreter: the rows one K/V scale covers
 P_SCALE = 256.0      # P^T in [0, 1] is cast as P^T * 256 (fp8_attention.P_SCALE)
 
-# dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES, P_SMEM[, SKIP_RESCALE]);
-# dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES, P_SMEM[, ...]). The first is the
+# dkdv: (BLOCK_N keys per consumer warpgroup, BLOCK_M queries per ring tile, STAGES, P_SMEM);
+# dq: (BLOCK_M queries per consumer warpgroup, BLOCK_N keys per ring tile, STAGES, P_SMEM). The first is the
 # default. Key tiles lie in one K/V scale block (BLOCK_N divides 128); every GEMM's reduction is >= 32 (the
 # E4M3 wgmma's k step): BLOCK_M >= 32 in dK/dV (dV, dK reduce over the ring tile's queries), BLOCK_N >= 32 in
 # dQ. P_SMEM: 1 passes P^T / dS^T / dS to their wgmma through shared memory, 0 (dQ only) through registers.
@@ -142,19 +142,14 @@ P_SCALE = 256.0      # P^T in [0, 1] is cast as P^T * 256 (fp8_attention.P_SCALE
 # H200, causal too (d128, (4, 4096, 16) and (1, 16384, 16): bench/fp8_attention_sm90_bwd.py --configs). Left
 # out for what the build said: dK/dV d64 (64, 128) and dQ d128 (64, 128) (spills), and dK/dV with P_SMEM=0
 # (ptxas serializes every wgmma: dV's 8-bit register operand is in flight across the loop's back edge).
-#
-# SKIP_RESCALE (a fifth field, default 0): the dK / dQ accumulator (64 FMULs a thread at d128) is rescaled only
-# in iterations where some row's running maximum changed its power-of-two scale, which after the first few
-# tiles is rare; the decision (one flag a warp, through shared memory, read after the dS store's barrier)
-# adds no barrier, and the results are the same bits (the skipped factors are all exactly 1). Built for
-# sm_90a at this commit: d128 loops 594 (dK/dV) and 508 (dQ) static instructions against 567 and 488, of
-# which the 64 FMULs only run when a scale changed; same barriers and wgmma waits, no new spills. Not yet
-# run on a GPU: the entries below are last, so not the defaults, until the H200 says.
+# Tried and removed: rescaling the dK / dQ accumulator only where some row's scale changed (a flag a warp read
+# after the dS barrier, so no new barrier): the same bits, but 0.92-0.99x the plain kernels on the H200 (d128,
+# (4, 4096, 16) and (1, 16384, 16), causal and not; bench/results/sm90/skip_rescale_1a9dc12.json).
 CONFIGS = {
-    "dkdv": {128: [(64, 64, 3, 1), (64, 32, 4, 1), (64, 32, 3, 1), (64, 64, 2, 1), (64, 64, 3, 1, 1)],
-             64: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 32, 4, 1), (64, 64, 3, 1, 1)]},
-    "dq": {128: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 64, 3, 0), (64, 64, 3, 1, 1)],
-           64: [(64, 64, 3, 1), (64, 128, 3, 1), (64, 64, 4, 1), (64, 64, 3, 0), (64, 64, 3, 1, 1)]},
+    "dkdv": {128: [(64, 64, 3, 1), (64, 32, 4, 1), (64, 32, 3, 1), (64, 64, 2, 1)],
+             64: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 32, 4, 1)]},
+    "dq": {128: [(64, 64, 3, 1), (64, 64, 4, 1), (64, 64, 2, 1), (64, 64, 3, 0)],
+           64: [(64, 64, 3, 1), (64, 128, 3, 1), (64, 64, 4, 1), (64, 64, 3, 0)]},
 }
 # Outputs start as NaN with TILEWISE_NAN_FILL=1 (read at import; the tests set _NAN_FILL), so unwritten
 # elements show.
@@ -242,12 +237,12 @@ if gl is not None and warpgroup_mma_init is not None:
             return p * (dp * gl.expand_dims(ds_mul * vs, 0) - gl.expand_dims(ds_sub, 0))
 
         @gluon.jit
-        def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, qt_ring, dot_ring, rows_ring, p_tile, ds_tile, flags,
-                           kv_bar, qdo_full, t_full, free, DK, DV, KS, VS, DOA, s_base,
+        def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, qt_ring, dot_ring, rows_ring, p_tile, ds_tile, kv_bar,
+                           qdo_full, t_full, free, DK, DV, KS, VS, DOA, s_base,
                            key0, seqlen, b, hk, heads, kv_heads, h0, q_lo, n_iter, qk_scale, softmax_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                           P_SMEM: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                           P_SMEM: gl.constexpr):
             """One warpgroup's key tile (keys key0 .. key0 + BLOCK_N of sequence b, kv head hk) over n_iter
             (query head, query block) tiles of the ring, in the transposed frame (`_fp8_dkdv_step`'s math).
             Software-pipelined by hand: tile i issues S^T_i, dP^T_i and then tile i-1's dK, so no wgmma whose
@@ -318,14 +313,8 @@ if gl is not None and warpgroup_mma_init is not None:
                 ck, inv_c, scale_c, factor = _running_max(ck, inv_c, scale_c, gl.max(gl.abs(g), 1))
                 dk = warpgroup_mma_wait(1, deps=(dk_tok, ))   # dK_{i-1} done: tile i-1's stage is free
                 mbarrier.arrive(free.index(prev))
-                if SKIP_RESCALE:   # dK is rescaled only when a row's scale changed
-                    flag_rows(factor < 1.0, flags, it % 2, BLOCK_N)
-                    g_op = _left_operand((g * gl.expand_dims(inv_c, 1)).to(fp8), ds_tile, op_layout, P_SMEM)
-                    if any_flagged(flags, it % 2):
-                        dk = dk * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
-                else:
-                    dk = dk * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
-                    g_op = _left_operand((g * gl.expand_dims(inv_c, 1)).to(fp8), ds_tile, op_layout, P_SMEM)
+                dk = dk * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
+                g_op = _left_operand((g * gl.expand_dims(inv_c, 1)).to(fp8), ds_tile, op_layout, P_SMEM)
             dk_tok = warpgroup_mma(g_op, qt_ring.index(stage).permute((1, 0)), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
 
@@ -402,8 +391,8 @@ if gl is not None and warpgroup_mma_init is not None:
                                qk_scale, softmax_scale,
                                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                               P_SMEM: gl.constexpr, SKIP_RESCALE: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               P_SMEM: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr):
             """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first."""
             pid = gl.program_id(0)
             hk = gl.program_id(1)
@@ -431,8 +420,6 @@ if gl is not None and warpgroup_mma_init is not None:
             else:   # unused placeholders
                 p_tiles = k_tiles
                 ds_tiles = k_tiles
-            flags0 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)   # each consumer's (SKIP_RESCALE)
-            flags1 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)
             kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             qdo_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             t_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -449,15 +436,15 @@ if gl is not None and warpgroup_mma_init is not None:
             key1 = n0 + BLOCK_N
             gl.warp_specialize([
                 (_dkdv_consumer, (k_tiles.index(0), v_tiles.index(0), q_ring, do_ring, qt_ring, dot_ring, rows_ring,
-                                  p_tiles.index(0), ds_tiles.index(0), flags0, kv_bar, qdo_full, t_full, free, DK,
-                                  DV, KS, VS, DOA, s_base, key0, seqlen, b, hk, heads, kv_heads, h0,
+                                  p_tiles.index(0), ds_tiles.index(0), kv_bar, qdo_full, t_full, free, DK, DV,
+                                  KS, VS, DOA, s_base, key0, seqlen, b, hk, heads, kv_heads, h0,
                                   q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
-                                  CAUSAL, KV_BLOCK, P_SMEM, SKIP_RESCALE)),
+                                  CAUSAL, KV_BLOCK, P_SMEM)),
                 (_dkdv_consumer, (k_tiles.index(1), v_tiles.index(1), q_ring, do_ring, qt_ring, dot_ring, rows_ring,
-                                  p_tiles.index(1), ds_tiles.index(1), flags1, kv_bar, qdo_full, t_full, free, DK,
-                                  DV, KS, VS, DOA, s_base, key1, seqlen, b, hk, heads, kv_heads, h0,
+                                  p_tiles.index(1), ds_tiles.index(1), kv_bar, qdo_full, t_full, free, DK, DV,
+                                  KS, VS, DOA, s_base, key1, seqlen, b, hk, heads, kv_heads, h0,
                                   q_lo, n_iter, qk_scale, softmax_scale, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES,
-                                  CAUSAL, KV_BLOCK, P_SMEM, SKIP_RESCALE)),
+                                  CAUSAL, KV_BLOCK, P_SMEM)),
                 (_dkdv_producer, (q_desc, do_desc, qt_desc, dot_desc, k_desc, v_desc, qs_desc, dsmul_desc,
                                   lse8_desc, dssub_desc, k_tiles, v_tiles, q_ring, do_ring, qt_ring, dot_ring,
                                   rows_ring, kv_bar, qdo_full, t_full, free, b * seqlen + n0,
@@ -499,11 +486,11 @@ if gl is not None and warpgroup_mma_init is not None:
             return p
 
         @gluon.jit
-        def _dq_consumer(q_tile, do_tile, k_ring, v_ring, kt_ring, x_tile, flags, qdo_bar, k_full, v_full, kt_full,
-                         free, DQ, QS, DOS, LSE2, DELTA, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
+        def _dq_consumer(q_tile, do_tile, k_ring, v_ring, kt_ring, x_tile, qdo_bar, k_full, v_full, kt_full, free,
+                         DQ, QS, DOS, LSE2, DELTA, KS, VS, s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale,
                          softmax_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                         P_SMEM: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+                         P_SMEM: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks key
             blocks (`_fp8_dq_blocks`' math). Block j issues S_j, dP_j and then block j-1's dQ, which runs under
             the softmax of S_j; nothing is in flight across the loop's back edge (see _dkdv_consumer)."""
@@ -567,14 +554,8 @@ if gl is not None and warpgroup_mma_init is not None:
                 cq, inv_c, scale_c, factor = _running_max(cq, inv_c, scale_c, gl.max(gl.abs(ds), 1) * ks)
                 dq = warpgroup_mma_wait(0, deps=(dq_tok, ))   # dQ_{j-1} done: block j-1's stage is free
                 mbarrier.arrive(free.index(prev))
-                if SKIP_RESCALE:   # dQ is rescaled only when a row's scale changed (P_SMEM=1: the barrier)
-                    flag_rows(factor < 1.0, flags, j % 2, BLOCK_M)
-                    x_op = _left_operand((ds * gl.expand_dims(inv_c * ks, 1)).to(fp8), x_tile, op_layout, P_SMEM)
-                    if any_flagged(flags, j % 2):
-                        dq = dq * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
-                else:
-                    dq = dq * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
-                    x_op = _left_operand((ds * gl.expand_dims(inv_c * ks, 1)).to(fp8), x_tile, op_layout, P_SMEM)
+                dq = dq * gl.expand_dims(gl.convert_layout(factor, row_g), 1)
+                x_op = _left_operand((ds * gl.expand_dims(inv_c * ks, 1)).to(fp8), x_tile, op_layout, P_SMEM)
             last = (n_blocks - 1) % STAGES
             mbarrier.wait(kt_full.index(last), ((n_blocks - 1) // STAGES) & 1)
             dq_tok = warpgroup_mma(x_op, kt_ring.index(last).permute((1, 0)), dq, is_async=True)
@@ -618,8 +599,8 @@ if gl is not None and warpgroup_mma_init is not None:
                              seqlen, heads, kv_heads, group, ssb, ssh, qk_scale, softmax_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                             P_SMEM: gl.constexpr, SKIP_RESCALE: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                             P_SMEM: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch); causal pairs run latest (heaviest) first."""
             h, b, hk, m0, n_blocks = query_pair_work(seqlen, group, BLOCK_M, BLOCK_N, CAUSAL)
 
@@ -634,8 +615,6 @@ if gl is not None and warpgroup_mma_init is not None:
                 x_tiles = gl.allocate_shared_memory(fp8, [2, BLOCK_M, BLOCK_N], xl)
             else:   # an unused placeholder
                 x_tiles = q_tiles
-            flags0 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)   # each consumer's (SKIP_RESCALE)
-            flags1 = gl.allocate_shared_memory(gl.int32, [2, 4], FLAGS_LAYOUT)
             qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -654,13 +633,13 @@ if gl is not None and warpgroup_mma_init is not None:
             row1 = m0 + BLOCK_M
             gl.warp_specialize([
                 (_dq_consumer, (q_tiles.index(0), do_tiles.index(0), k_ring, v_ring, kt_ring, x_tiles.index(0),
-                                flags0, qdo_bar, k_full, v_full, kt_full, free, DQ, QS, DOS, LSE2, DELTA, KS, VS,
-                                s_base, row0, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, SKIP_RESCALE)),
+                                qdo_bar, k_full, v_full, kt_full, free, DQ, QS, DOS, LSE2, DELTA, KS, VS, s_base,
+                                row0, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
                 (_dq_consumer, (q_tiles.index(1), do_tiles.index(1), k_ring, v_ring, kt_ring, x_tiles.index(1),
-                                flags1, qdo_bar, k_full, v_full, kt_full, free, DQ, QS, DOS, LSE2, DELTA, KS, VS,
-                                s_base, row1, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, SKIP_RESCALE)),
+                                qdo_bar, k_full, v_full, kt_full, free, DQ, QS, DOS, LSE2, DELTA, KS, VS, s_base,
+                                row1, seqlen, b, h, heads, n_blocks, qk_scale, softmax_scale, HEAD_DIM, BLOCK_M,
+                                BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_tiles, do_tiles, k_ring, v_ring, kt_ring,
                                 qdo_bar, k_full, v_full, kt_full, free, b * seqlen + m0, h * HEAD_DIM, b * seqlen,
                                 hk * HEAD_DIM, (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
@@ -698,12 +677,12 @@ def _kernel(kind):
 
 
 def _config(kind, head_dim, config):
-    """(a, b, STAGES, P_SMEM, SKIP_RESCALE) of a config of kernel `kind` (CONFIGS[kind][head_dim][0] for None),
-    checked: dkdv (BLOCK_N, BLOCK_M, ...), dq (BLOCK_M, BLOCK_N, ...); P_SMEM defaults to 1, SKIP_RESCALE to 0."""
+    """(a, b, STAGES, P_SMEM) of a config of kernel `kind` (CONFIGS[kind][head_dim][0] for None), checked:
+    dkdv (BLOCK_N, BLOCK_M, ...), dq (BLOCK_M, BLOCK_N, ...)."""
     cfg = tuple(config) if config is not None else CONFIGS[kind][head_dim][0]
-    if len(cfg) not in (3, 4, 5) or not all(isinstance(x, int) for x in cfg):
-        _fail(f"{kind} config {cfg} is not (BLOCK, BLOCK, STAGES[, P_SMEM[, SKIP_RESCALE]]) of ints")
-    cfg = (*cfg, 1, 0)[:5] if len(cfg) == 3 else (*cfg, 0)[:5]
+    if len(cfg) not in (3, 4) or not all(isinstance(x, int) for x in cfg):
+        _fail(f"{kind} config {cfg} is not (BLOCK, BLOCK, STAGES[, P_SMEM]) of ints")
+    cfg = cfg if len(cfg) == 4 else (*cfg, 1)
     key_rows, query_rows = (cfg[0], cfg[1]) if kind == "dkdv" else (cfg[1], cfg[0])
     if KV_BLOCK_GPU % key_rows or key_rows < 32:
         _fail(f"{kind} config {cfg}: the key tile ({key_rows} rows) must divide {KV_BLOCK_GPU} and be >= 32")
@@ -715,16 +694,14 @@ def _config(kind, head_dim, config):
         _fail(f"{kind} config {cfg}: STAGES must be >= 2")
     if kind == "dkdv" and not cfg[3]:
         _fail(f"dkdv config {cfg}: P_SMEM=0 is not supported (ptxas serializes the kernel's wgmmas)")
-    if cfg[4] and not cfg[3]:
-        _fail(f"{kind} config {cfg}: SKIP_RESCALE needs P_SMEM=1 (its flags ride on that store's barrier)")
     return cfg
 
 
 def _consts(kind, head_dim, causal, cfg):
-    a, b, stages, p_smem, skip = cfg
+    a, b, stages, p_smem = cfg
     names = ("BLOCK_N", "BLOCK_M") if kind == "dkdv" else ("BLOCK_M", "BLOCK_N")
     return {"HEAD_DIM": head_dim, names[0]: a, names[1]: b, "STAGES": stages, "CAUSAL": causal,
-            "KV_BLOCK": KV_BLOCK_GPU, "P_SMEM": bool(p_smem), "SKIP_RESCALE": bool(skip), **ROLE_CONSTS}
+            "KV_BLOCK": KV_BLOCK_GPU, "P_SMEM": bool(p_smem), **ROLE_CONSTS}
 
 
 @functools.lru_cache(maxsize=None)

@@ -148,30 +148,9 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
 
 
 query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = None
-query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = flag_rows = any_flagged = None
-FLAGS_LAYOUT = None
+query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = None
 if gluon is not None:
     try:
-        # flag_rows / any_flagged: a warpgroup-uniform "did any row change" without a barrier of its own (a
-        # [2, 4] int32 buffer of this layout, one per consumer warpgroup): each warp writes its flag before a
-        # barrier the loop has anyway, every thread reads all four after it. Two parities: a warp rewrites
-        # flags[parity] only after the next barrier, when every thread has read it.
-        FLAGS_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-
-        @gluon.jit
-        def flag_rows(changed, flags, parity, ROWS: gl.constexpr):
-            """Writes into flags[parity], one int a warp, whether any of its rows of `changed` (a bool row
-            vector of a 4-warp wgmma accumulator, ROWS rows) is set: the reduction stays inside each warp."""
-            flags.index(parity).store(gl.max(gl.reshape(changed.to(gl.int32), [4, ROWS // 4]), 1))
-
-        @gluon.jit
-        def any_flagged(flags, parity):
-            """After the barrier that follows flag_rows: whether any warp's flag is set (the same in every
-            thread, so a branch on it is uniform)."""
-            every: gl.constexpr = gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[4],
-                                                   order=[0])
-            return gl.max(flags.index(parity).load(every), 0) > 0
-
         @gluon.jit
         def row_max(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr, TREE: gl.constexpr):
             """gl.max(x, 1) of an (M, N) wgmma accumulator; with TREE as a tree: the column halves are folded
