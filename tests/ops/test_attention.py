@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+import triton.language as tl
 
 from tilewise import ops
 from tilewise.ops import attention as attn
@@ -928,3 +929,43 @@ def test_gpu_memory_128k(tma):
     extra = torch.cuda.max_memory_allocated() - base - held
     assert extra < 1 << 30, f"{extra / 2**30:.2f} GiB beyond inputs, outputs and gradients"
     assert not torch.isnan(out).any() and not torch.isnan(q.grad).any()
+
+
+# ------------------------------------------------------------------------------------------ grid order
+
+@triton.jit
+def _grid_tile_probe(OUT, UNEVEN: tl.constexpr):
+    """Writes attention._grid_tile's (tile, head, batch) at this program's launch position."""
+    tile, h, b = attn._grid_tile(UNEVEN)
+    t = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.store(OUT + 3 * t, tile)
+    tl.store(OUT + 3 * t + 1, h)
+    tl.store(OUT + 3 * t + 2, b)
+
+
+def grid_tile_order(grid, uneven, device="cpu"):
+    """attention._grid_tile's (tile, head, batch) of each program of `grid`, in launch order, as a list."""
+    out = torch.full((grid[0] * grid[1] * grid[2], 3), -1, dtype=torch.int32, device=device)
+    _grid_tile_probe[grid](out, UNEVEN=uneven)
+    return [tuple(row) for row in out.tolist()]
+
+
+@pytest.mark.parametrize("grid", [(5, 3, 7), (4, 1, 1), (3, 17, 2), (1, 4, 5)])
+def test_uneven_grids_run_every_tile_once_heaviest_first_within_sections(grid):
+    """Causal grids: every (tile, head, batch) exactly once; units (batch, head) come GRID_SECTION at a time
+    (the last section smaller), and in a section tile 0 of every unit before any tile 1, and so on, so the
+    grid ends on its light tiles. Even grids keep the launch order."""
+    n, heads, batch = grid
+    even = grid_tile_order(grid, False)
+    assert even == [(t, h, b) for b in range(batch) for h in range(heads) for t in range(n)]
+    order = grid_tile_order(grid, True)
+    assert sorted(order) == sorted(even)
+    section = attn._GRID_SECTION.value
+    units = heads * batch
+    pos = 0
+    for first in range(0, units, section):
+        size = min(section, units - first)
+        chunk = order[pos:pos + n * size]
+        pos += n * size
+        assert {h + heads * b for _, h, b in chunk} == set(range(first, first + size))
+        assert [t for t, _, _ in chunk] == sorted(t for t, _, _ in chunk)

@@ -80,3 +80,30 @@ def test_gpu_gluon_kernels_launch_directly_with_their_normal_launchs_results():
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     assert all(lc.fast_launches > n for lc, n in zip(used, before))
+
+
+if g.gl is not None:
+    gl = g.gl
+
+    @g.gluon.jit
+    def _grid_tile_probe(OUT, CAUSAL: gl.constexpr):
+        """Writes grid_tile's (tile, head, batch) at this program's launch position."""
+        tile, h, b = g.grid_tile(CAUSAL)
+        t = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        gl.store(OUT + 3 * t, tile)
+        gl.store(OUT + 3 * t + 1, h)
+        gl.store(OUT + 3 * t + 2, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", [(5, 3, 7), (16, 16, 8), (3, 17, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_grid_tile_is_attention_triton_grid_order(grid, causal):
+    """grid_tile (the Gluon kernels' program order) is attention._grid_tile's (the Triton kernels'), which
+    tests/ops/test_attention.py holds to its contract: the same (tile, head, batch) at every launch position."""
+    if not g.on_sm90("cuda"):
+        pytest.skip("no sm_90 GPU")
+    from test_attention import grid_tile_order
+    out = torch.full((grid[0] * grid[1] * grid[2], 3), -1, dtype=torch.int32, device="cuda")
+    _grid_tile_probe[grid](out, CAUSAL=causal, num_warps=1)
+    assert [tuple(r) for r in out.tolist()] == grid_tile_order(grid, causal, "cuda")

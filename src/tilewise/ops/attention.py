@@ -155,25 +155,56 @@ def _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     return start, sq, sk
 
 
+# The (batch, head) units a grid of uneven tiles launches together (_grid_tile; gluon_sm90.GRID_SECTION's rule)
+_GRID_SECTION = tl.constexpr(16)
+
+
 @triton.jit
-def _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A program of the grid (query blocks, heads, batch), the latest query blocks first (the most causal
-    work starts first): (its first query row, head, kv head, batch, and the sequence's start, seqlen_q,
-    seqlen_k). The kernel returns at once when the first row is past seqlen_q (varlen batches)."""
+def _grid_tile(UNEVEN: tl.constexpr):
+    """(tile, head, batch) of this program of a grid (tiles, heads, batch). UNEVEN (a right window, so causal:
+    a unit's tiles differ in work): the programs in launch order take _GRID_SECTION (batch, head) units at a
+    time and, in a section, every unit's tile 0, then every unit's tile 1, ... (gluon_sm90.heavy_first), so
+    with tile 0 the heaviest the grid ends on light tiles and the SMs run out of work together. Otherwise the
+    grid's order: a unit's tiles side by side, sharing its operands in L2."""
+    tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M, h, h // group, b, start, sq, sk
+    b = tl.program_id(2)
+    if UNEVEN:
+        n_tiles = tl.num_programs(0)
+        heads = tl.num_programs(1)
+        t = tile + n_tiles * (h + heads * b)
+        first_unit = (t // (_GRID_SECTION * n_tiles)) * _GRID_SECTION
+        in_section = t - first_unit * n_tiles
+        size = tl.minimum(heads * tl.num_programs(2) - first_unit, _GRID_SECTION)
+        tile = in_section // size
+        unit = first_unit + in_section % size
+        h = unit % heads
+        b = unit // heads
+    return tile, h, b
 
 
 @triton.jit
-def _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A program of the grid (key blocks, kv heads, batch), early key blocks first (seen by the most causal
-    queries): (its first key row, kv head, batch, and the sequence's start, seqlen_q, seqlen_k)."""
-    hk = tl.program_id(1)
-    b = tl.program_id(2) + b0
+def _query_program(CU, seqlen_q, seqlen_k, group, b0, UNEVEN: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """A program of the grid (query blocks, heads, batch), the latest query blocks first (the most causal
+    work starts first; UNEVEN: in _grid_tile's order): (its first query row, head, kv head, batch, and the
+    sequence's start, seqlen_q, seqlen_k). The kernel returns at once when the first row is past seqlen_q
+    (varlen batches)."""
+    tile, h, b = _grid_tile(UNEVEN)
+    b += b0
     start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
-    return tl.program_id(0) * BLOCK_N, hk, b, start, sq, sk
+    return (tl.num_programs(0) - 1 - tile) * BLOCK_M, h, h // group, b, start, sq, sk
+
+
+@triton.jit
+def _key_program(CU, seqlen_q, seqlen_k, b0, UNEVEN: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program of the grid (key blocks, kv heads, batch), early key blocks first (seen by the most causal
+    queries; UNEVEN: in _grid_tile's order): (its first key row, kv head, batch, and the sequence's start,
+    seqlen_q, seqlen_k)."""
+    tile, hk, b = _grid_tile(UNEVEN)
+    b += b0
+    start, sq, sk = _seq_bounds(CU, b, seqlen_q, seqlen_k, VARLEN)
+    return tile * BLOCK_N, hk, b, start, sq, sk
 
 
 @triton.jit
@@ -312,7 +343,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch): the query blocks of one head run side by side and share its K/V
     in L2; within a head the latest (most causal work) go first."""
-    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, HAS_RIGHT, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
@@ -480,7 +511,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
     blocks are seen by the most causal queries: they go first."""
-    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
+    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, HAS_RIGHT, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
     h0 = hk * group
@@ -564,7 +595,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_
                  DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
-    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, HAS_RIGHT, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)

@@ -115,8 +115,8 @@ import torch
 
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
-                         check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
-                         new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
+                         check_dense, fence_async_shared, gl, gluon, grid_tile, invalidate_kv_ring, kv_ring_barriers,
+                         mbarrier, new_output, on_sm90, query_pair_work, stream_kv, tensordesc_type, tma, token_rows,
                          warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
@@ -277,10 +277,9 @@ if gl is not None:
                                 STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                 PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr):
-            """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first."""
-            pid = gl.program_id(0)
-            hk = gl.program_id(1)
-            b = gl.program_id(2)
+            """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first, in
+            grid_tile's order."""
+            pid, hk, b = grid_tile(CAUSAL)
             h0 = hk * group
             n0 = pid * (2 * BLOCK_N)
             if CAUSAL:
@@ -460,10 +459,11 @@ if gl is not None:
                     lrow += seqlen
 
             # key0, hk, b again from the program ids: registers less across the loop (causal d128 spilled them)
-            rows = gl.program_id(0) * (2 * BLOCK_N) + WG * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_g)
+            pid, hk, b = grid_tile(CAUSAL)
+            rows = pid * (2 * BLOCK_N) + WG * BLOCK_N + gl.arange(0, BLOCK_N, layout=row_g)
             dcol = gl.arange(0, HEAD_DIM, layout=col_g)
-            row64 = (gl.program_id(2) * seqlen + rows).to(gl.int64)
-            col0 = gl.program_id(1).to(gl.int64) * HEAD_DIM   # int64: ptxas kept the int32 one in a spill slot
+            row64 = (b * seqlen + rows).to(gl.int64)
+            col0 = hk.to(gl.int64) * HEAD_DIM   # int64: ptxas kept the int32 one in a spill slot
             offs = gl.expand_dims(row64 * out_row + col0, 1) + gl.expand_dims(dcol, 0)
             mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
             gl.store(DV + offs, dv.to(dtype), mask=mask)
@@ -522,9 +522,7 @@ if gl is not None:
                                    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                    CONSUMER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
             """_attn_bwd_dkdv_sm90's grid and producer; the consumers add dQ into DQA as they go."""
-            pid = gl.program_id(0)
-            hk = gl.program_id(1)
-            b = gl.program_id(2)
+            pid, hk, b = grid_tile(CAUSAL)
             h0 = hk * group
             n0 = pid * (2 * BLOCK_N)
             if CAUSAL:

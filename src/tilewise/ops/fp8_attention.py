@@ -387,7 +387,7 @@ def _fp8_fwd(Q, Q8, ROT, K8, V8T, KS, VS, O, LSE, CU, CU_T, desc_k, desc_v,
     """Grid (query blocks, heads, batch), latest query blocks first. The program quantizes its Q tile
     (rotated first with ROTATE) and passes it through Q8, a scratch copy it writes and reads back: a loaded
     tile feeds the Q K^T wgmmas from shared memory (the module docstring says why, and how it timed)."""
-    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, HAS_RIGHT, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)
@@ -555,7 +555,7 @@ def _fp8_bwd_dkdv(Q8, Q8T, K8, V8, DO8, DO8T, QS, DOS, KS, VS, DK, DV, LSE2, DEL
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Q8/DO8 share a
     layout, as do Q8T/DO8T and K8/V8 (all written by the pass)."""
-    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, VARLEN, BLOCK_N)
+    n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, HAS_RIGHT, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
     h0 = hk * group
@@ -650,7 +650,7 @@ def _fp8_bwd_dq(Q8, DO8, QS, DOS, K8, K8T, V8, KS, VS, DQ, LSE2, DELTA, ROT, CU,
                 EMU: tl.constexpr, EMU_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
-    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, VARLEN, BLOCK_M)
+    m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, HAS_RIGHT, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
     b64, h64, hk64, start64 = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), start.to(tl.int64)

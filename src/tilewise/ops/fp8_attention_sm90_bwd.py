@@ -118,7 +118,7 @@ import torch
 from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, check_dense,
-                         fence_async_shared, gl, gluon, mbarrier, new_output, on_sm90, query_pair_work,
+                         fence_async_shared, gl, gluon, grid_tile, mbarrier, new_output, on_sm90, query_pair_work,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
@@ -320,14 +320,14 @@ if gl is not None and warpgroup_mma_init is not None:
 
             # dV in dO^T's per-head scale and P's 256; dK in its running maximum's scale
             # (the program's coordinates are read again here rather than kept live across the loop)
-            hk_e = gl.program_id(1)
-            tile_key0 = key0 - gl.program_id(0) * (2 * BLOCK_N)   # 0 or BLOCK_N: this warpgroup's tile
-            key0 = gl.program_id(0) * (2 * BLOCK_N) + tile_key0
+            pid_e, hk_e, b_e = grid_tile(CAUSAL)
+            tile_key0 = key0 - pid_e * (2 * BLOCK_N)   # 0 or BLOCK_N: this warpgroup's tile
+            key0 = pid_e * (2 * BLOCK_N) + tile_key0
             _, do_scale = _pow2_scales(gl.load(DOA + hk_e * (heads // kv_heads)))
             rows = gl.arange(0, BLOCK_N, layout=row_g)
             dcol = gl.arange(0, HEAD_DIM, layout=col_g)
             row_stride = kv_heads * HEAD_DIM
-            tile = (gl.program_id(2) * seqlen + key0).to(gl.int64) * row_stride + hk_e * HEAD_DIM
+            tile = (b_e * seqlen + key0).to(gl.int64) * row_stride + hk_e * HEAD_DIM
             offs = gl.expand_dims(rows * row_stride, 1) + gl.expand_dims(dcol, 0)
             mask = gl.expand_dims(rows < seqlen - key0, 1) & gl.expand_dims(dcol < HEAD_DIM, 0)
             out_dtype: gl.constexpr = DK.dtype.element_ty
@@ -393,10 +393,9 @@ if gl is not None and warpgroup_mma_init is not None:
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
                                P_SMEM: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr):
-            """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first."""
-            pid = gl.program_id(0)
-            hk = gl.program_id(1)
-            b = gl.program_id(2)
+            """Grid (key tile pairs, kv heads, batch); causal: early key tiles (the most queries) go first, in
+            grid_tile's order."""
+            pid, hk, b = grid_tile(CAUSAL)
             h0 = hk * group
             n0 = pid * (2 * BLOCK_N)
             if CAUSAL:

@@ -147,10 +147,45 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
         raise ValueError(f"{who}: batch {batch} or heads {heads} exceeds the grid's 65535")
 
 
-query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = None
+query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = heavy_first = grid_tile = None
 query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = None
+GRID_SECTION = None
 if gluon is not None:
     try:
+        # The (batch, head) units a causal one-program-per-tile grid launches together (grid_tile): enough that
+        # a section is about one wave of 132 SMs at the short sequences, few enough that its operands stay in L2.
+        GRID_SECTION = gl.constexpr(16)
+
+        @gluon.jit
+        def heavy_first(t, n_ranks, units, section):
+            """(rank, unit) of position t of an order over n_ranks * units tiles that takes `section` units at a
+            time (the last section may be smaller) and, in a section, every unit's rank-0 tile, then every
+            unit's rank 1, ...: with rank 0 a unit's heaviest tile, the order ends on the lightest ones."""
+            first_unit = (t // (section * n_ranks)) * section
+            in_section = t - first_unit * n_ranks
+            size = gl.minimum(section, units - first_unit)
+            return in_section // size, first_unit + in_section % size
+
+        @gluon.jit
+        def grid_tile(CAUSAL: gl.constexpr):
+            """(tile, head, batch) of this program of a grid (tiles, heads, batch). Causal, where a unit's tiles
+            differ in work: the programs in launch order go through heavy_first (tile = rank, GRID_SECTION
+            units a section), so the caller's tile 0 should be its heaviest. The last programs launched are then
+            light ones and the SMs run out of work together; the grid's own order (a unit's tiles heaviest first,
+            unit after unit) ends on whole units, heavy tiles among them. Non-causal: the grid's order (a unit's
+            tiles run side by side and share its operands in L2)."""
+            tile = gl.program_id(0)
+            h = gl.program_id(1)
+            b = gl.program_id(2)
+            if CAUSAL:
+                n_tiles = gl.num_programs(0)
+                heads = gl.num_programs(1)
+                tile, unit = heavy_first(tile + n_tiles * (h + heads * b), n_tiles, heads * gl.num_programs(2),
+                                         GRID_SECTION)
+                h = unit % heads
+                b = unit // heads
+            return tile, h, b
+
         @gluon.jit
         def row_max(x, M: gl.constexpr, N: gl.constexpr, ROW: gl.constexpr, TREE: gl.constexpr):
             """gl.max(x, 1) of an (M, N) wgmma accumulator; with TREE as a tree: the column halves are folded
@@ -178,17 +213,16 @@ if gluon is not None:
         def query_pair_work(seqlen, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
             """A program of a grid (query tile pairs, heads_q, batch) over key blocks: its query head h, batch
             b, key/value head hk (GQA groups of `group`), first query row m0 (two BLOCK_M-row tiles from
-            there) and key-block count; causal pairs run latest (heaviest) first."""
-            pid = gl.program_id(0)
+            there) and key-block count; causal: the latest (heaviest) pairs first, in grid_tile's order."""
+            pid, h, b = grid_tile(CAUSAL)
             if CAUSAL:
                 pid = gl.num_programs(0) - 1 - pid
-            h = gl.program_id(1)
             m0 = pid * (2 * BLOCK_M)
             if CAUSAL:
                 n_blocks = gl.cdiv(gl.minimum(m0 + 2 * BLOCK_M, seqlen), BLOCK_N)
             else:
                 n_blocks = gl.cdiv(seqlen, BLOCK_N)
-            return h, gl.program_id(2), h // group, m0, n_blocks
+            return h, b, h // group, m0, n_blocks
 
         @gluon.jit
         def kv_ring_barriers(STAGES: gl.constexpr):
@@ -248,11 +282,8 @@ if gluon is not None:
             every other round reversed so that program 0 does not take every round's heaviest tile, measured
             worse where the schedule is the default: see attention_sm90.PERSISTENT_UP_TO.)"""
             if CAUSAL:
-                first_unit = (t // (section * n_pairs)) * section
-                in_section = t - first_unit * n_pairs
-                size = gl.minimum(section, units - first_unit)
-                pair = n_pairs - 1 - in_section // size
-                unit = first_unit + in_section % size
+                rank, unit = heavy_first(t, n_pairs, units, section)
+                pair = n_pairs - 1 - rank
             else:
                 pair = t % n_pairs
                 unit = t // n_pairs
