@@ -15,6 +15,7 @@ build, run or match is printed and skipped. SDPA has no standalone backward here
 
     PYTHONPATH=src python bench/attention_sm90_bwd.py --out DIR    # writes DIR/attention_sm90_bwd.json
     PYTHONPATH=src python bench/attention_sm90_bwd.py --shapes "8,2048,16,128;32,1024,12,64"   # GPT-1.3B, 124M
+    PYTHONPATH=src python bench/attention_sm90_bwd.py --fused-qkv --causal yes   # the model's q, k, v views
     python bench/attention_sm90_bwd.py --aot-only                  # no GPU: bench/attention_sm90_bwd_sass.py
 """
 from __future__ import annotations
@@ -64,11 +65,15 @@ def sdpa_backward_ms(torch, F, triton, backend, q, k, v, dout, causal, scale, re
     return ms_fb - ms_f, ms_f
 
 
-def run_cell(torch, F, triton, b9, att, shape, causal, rep, configs):
+def run_cell(torch, F, triton, b9, att, shape, causal, rep, configs, fused_qkv=False):
     b, n, h, d = shape
-    cell = {"shape": list(shape), "causal": causal, "results": {}}
+    cell = {"shape": list(shape), "causal": causal, "fused_qkv": fused_qkv, "results": {}}
     res = cell["results"]
-    q, k, v, dout = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    if fused_qkv:   # the model's layout: views of one (batch, seqlen, 3 heads, d) projection output
+        q, k, v = torch.randn(b, n, 3 * h, d, dtype=torch.bfloat16, device="cuda").split([h, h, h], dim=2)
+        dout = torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda")
+    else:
+        q, k, v, dout = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     scale = 1.0 / math.sqrt(d)
     right = 0 if causal else -1
     with torch.no_grad():
@@ -180,6 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="do_bench rep in ms (default 100)")
     p.add_argument("--aot-only", action="store_true", help="only the ahead-of-time sm_90 build report (no GPU)")
     p.add_argument("--shapes", default=None, metavar="B,N,H,D;...", help="shapes instead of the three defaults")
+    p.add_argument("--fused-qkv", action="store_true",
+                   help="q, k, v as views of one (B, N, 3H, D) tensor, the model's layout (default: three tensors)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="which cells to run")
     args = p.parse_args(argv)
     if args.aot_only:
         import attention_sm90_bwd_sass
@@ -212,10 +220,11 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     for shape in shapes:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
             print(f"{shape} causal={causal}", flush=True)
             try:
-                result["cells"].append(run_cell(torch, F, triton, b9, att, shape, causal, args.rep, b9.CONFIGS))
+                result["cells"].append(run_cell(torch, F, triton, b9, att, shape, causal, args.rep, b9.CONFIGS,
+                                                args.fused_qkv))
             except Exception as e:  # noqa: BLE001 - a cell that crashes (OOM, a baseline) is reported
                 traceback.print_exc(limit=3)
                 result["cells"].append({"shape": list(shape), "causal": causal,
