@@ -72,6 +72,54 @@ def allocator_counts(before: dict | None = None) -> dict | None:
     return now if before is None else {k: now[k] - before[k] for k in now}
 
 
+class GpuClocks:
+    """SM clock and board power sampled by `nvidia-smi -lms` while the block runs: whether a timing ran at
+    full clock or power-capped (a kernel timed inside a training step can run slower than alone).
+    summary(): median and minimum SM MHz and median watts of the samples, None without nvidia-smi or samples."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+
+    def __init__(self, period_ms: int = 100):
+        self.period_ms, self.proc, self.text = period_ms, None, ""
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(self.QUERY + [f"-lms={self.period_ms}"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.text = self.proc.communicate(timeout=5)[0]
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.text = self.proc.communicate()[0]
+        return False
+
+    def summary(self) -> dict | None:
+        return summarize_clocks(self.text)
+
+
+def summarize_clocks(text: str) -> dict | None:
+    """nvidia-smi's 'MHz, W' lines (first GPU's column order as GpuClocks.QUERY) -> the summary, or None."""
+    mhz, watts = [], []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            mhz.append(float(parts[0]))
+            watts.append(float(parts[1]))
+        except (IndexError, ValueError):
+            continue
+    if not mhz:
+        return None
+    mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"sm_mhz_median": mid(mhz), "sm_mhz_min": min(mhz), "power_w_median": mid(watts), "samples": len(mhz)}
+
+
 class PlainBlock(nn.Module):
     def __init__(self, d, heads):
         super().__init__()

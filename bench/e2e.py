@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-from common import RESULTS, PlainGPT, environment, write_result  # noqa: E402
+from common import RESULTS, GpuClocks, PlainGPT, environment, write_result  # noqa: E402
 from tilewise.config import load_config  # noqa: E402
 from tilewise.graphs import WARMUP_STEPS, StepGraph, uncaptured_optimizer_steps  # noqa: E402
 from tilewise.model import GPT, branch_bias_names  # noqa: E402
@@ -134,17 +134,19 @@ def tilewise_variant(init: GPT, cfg, shape: tuple[int, int], *, graphs: bool, fp
 # ------------------------------------------------------------------------------------------------
 
 def time_steps(step, batches, warmup: int, steps: int):
-    """Mean step ms over `steps` after `warmup`, with CUDA events; returns (ms, loss after the last step)."""
+    """Mean step ms over `steps` after `warmup`, with CUDA events; returns (ms, loss after the last step,
+    the SM clock and power while the timed steps ran: GpuClocks.summary)."""
     for i in range(warmup):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(steps):
-        loss = step(*batches[(warmup + i) % len(batches)])
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps, loss.item()
+    with GpuClocks() as clocks:
+        start.record()
+        for i in range(steps):
+            loss = step(*batches[(warmup + i) % len(batches)])
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, loss.item(), clocks.summary()
 
 
 def profile_breakdown(step, batches, offset: int, steps: int) -> dict:
@@ -198,7 +200,7 @@ def run_config(name: str, args) -> list[dict]:
         try:
             step, info = build()
             torch.cuda.reset_peak_memory_stats()
-            ms, loss = time_steps(step, batches, args.warmup, args.steps)
+            ms, loss, clocks = time_steps(step, batches, args.warmup, args.steps)
         except Exception as e:  # noqa: BLE001 - a comparison variant may fail; the run keeps the rest
             if label != "tilewise_sdpa_graphs":   # the comparison
                 raise
@@ -209,7 +211,8 @@ def run_config(name: str, args) -> list[dict]:
         tps = tokens / (ms / 1e3)
         row = {"shape": {"config": name, "batch": batch, "seqlen": seq}, "variant": label,
                "tokens_per_s": round(tps), "mfu": round(flops_per_token * tps / PEAK, 4), "step_ms": round(ms, 2),
-               "peak_mem_gb": round(peak_gb, 2), "loss_after": round(loss, 4), "precision": precision}
+               "peak_mem_gb": round(peak_gb, 2), "loss_after": round(loss, 4), "precision": precision,
+               "clocks": clocks}
         if args.profile_steps:
             prof = profile_breakdown(step, batches, args.warmup + args.steps, args.profile_steps)
             row["idle_ms"] = prof.get("breakdown_ms", {}).get("idle")

@@ -48,3 +48,16 @@ def test_fp8_attention_ablation_variants_find_their_lines():
                 assert new in source and (old == new or old not in source)
     with pytest.raises(RuntimeError, match="occurs 0 times"):
         ablate.load_variant("broken", [("a line that is not there", "x")], tempfile.gettempdir())
+
+
+def test_gpu_clocks_summarize_nvidia_smi_lines_and_say_none_without_samples():
+    """The e2e timings carry the SM clock and power they ran at: nvidia-smi's lines summarized (median, min),
+    unreadable lines skipped, no samples (no nvidia-smi here) None rather than a made-up clock."""
+    from common import GpuClocks, summarize_clocks
+    got = summarize_clocks("1980, 610.5\n1755, 699.9\n[N/A], [N/A]\n1830, 650.0\n")
+    assert got == {"sm_mhz_median": 1830.0, "sm_mhz_min": 1755.0, "power_w_median": 650.0, "samples": 3}
+    assert summarize_clocks("") is None and summarize_clocks("[N/A], [N/A]\n") is None
+    with GpuClocks(period_ms=50) as clocks:
+        pass
+    summary = clocks.summary()
+    assert summary is None or summary["samples"] >= 1
