@@ -399,26 +399,41 @@ def _attn_fwd(Q, K, V, O, LSE, CU, desc_q, desc_k, desc_v,
 
 
 @triton.jit
+def _row_block(CU, seqlen, b0, VARLEN: tl.constexpr, ROWS: tl.constexpr):
+    """A program of a grid (row blocks, heads, batch) over rows of one head of one sequence, as the passes
+    run: (head, batch, the sequence's start and length, the block's first row). The kernel returns at once
+    when that row is past the length (varlen batches)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2) + b0
+    start, n, _ = _seq_bounds(CU, b, seqlen, seqlen, VARLEN)
+    return h, b, start, n, tl.program_id(0) * ROWS
+
+
+@triton.jit
+def _head_rows(X, sb, ss, sh, b, start, h, rows, offs_d):
+    """Pointers to the (rows, offs_d) elements of head h of sequence b (from its token `start`) of a tensor
+    with batch, token and head strides sb, ss, sh: int64 offsets."""
+    return (X + b.to(tl.int64) * sb + start.to(tl.int64) * ss + h.to(tl.int64) * sh
+            + rows.to(tl.int64)[:, None] * ss + offs_d[None, :])
+
+
+@triton.jit
 def _bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, CU,
               sob, sos, soh, sdb, sds, sdh, slb, slh, seqlen_q, b0,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
               BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) - dLSE and lse2 = lse * log2(e), +inf where lse = -inf (then P = 0)."""
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sq, _ = _seq_bounds(CU, b, seqlen_q, seqlen_q, VARLEN)
-    m0 = tl.program_id(0) * BLOCK_M
+    h, b, start, sq, m0 = _row_block(CU, seqlen_q, b0, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
-    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + b64 * sob + start64 * sos + h64 * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :],
-                   offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + offs_m.to(tl.int64)[:, None] * sds + offs_d[None, :],
-                    offs_m, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, b64 * slb + h64 * slh + start64 + offs_m, offs_m < sq,
-                      HAS_DLSE)
+    o = _load_tile(_head_rows(O, sob, sos, soh, b, start, h, offs_m, offs_d), offs_m, sq, offs_d, HEAD_DIM, BLOCK_D,
+                   True)
+    do = _load_tile(_head_rows(DO, sdb, sds, sdh, b, start, h, offs_m, offs_d), offs_m, sq, offs_d, HEAD_DIM,
+                    BLOCK_D, True)
+    row = b.to(tl.int64) * slb + h.to(tl.int64) * slh + start.to(tl.int64) + offs_m
+    _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, row, offs_m < sq, HAS_DLSE)
 
 
 @triton.jit

@@ -99,8 +99,8 @@ import triton
 import triton.language as tl
 
 from . import attention as attn
-from .attention import (LOG2E, LN2, _cast, _dot, _keep, _key_program, _key_range, _load_tile, _query_program,
-                        _query_range, _seq_bounds, _store_delta_lse2, _store_tile)
+from .attention import (LOG2E, LN2, _cast, _dot, _head_rows, _keep, _key_program, _key_range, _load_tile,
+                        _query_program, _query_range, _row_block, _store_delta_lse2, _store_tile)
 from .dispatch import use_triton
 from .launch import FastLauncher
 
@@ -249,25 +249,20 @@ def _fp8_quantize(X, X8, X8T, SC, TA, ROT, CU, CU_T,
     scales: per row in the LSE's layout (ROWWISE), else one per block of ROWS rows (batch, heads, blocks).
     T_HEAD: the transposed copy is scaled by _scales(TA[head]) instead (an amax per head; no rotation).
     PERMUTE_T: the transposed copy's tokens in operand_order (dense layout only)."""
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sl, _ = _seq_bounds(CU, b, seqlen, seqlen, VARLEN)
-    r0 = tl.program_id(0) * ROWS
+    h, b, start, sl, r0 = _row_block(CU, seqlen, b0, VARLEN, ROWS)
     if r0 >= sl:
         return
     b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
     rows = r0 + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    x = _load_tile(X + b64 * sxb + start64 * sxs + h64 * sxh + rows.to(tl.int64)[:, None] * sxs + offs_d[None, :],
-                   rows, sl, offs_d, HEAD_DIM, BLOCK_D, True)
+    x = _load_tile(_head_rows(X, sxb, sxs, sxh, b, start, h, rows, offs_d), rows, sl, offs_d, HEAD_DIM, BLOCK_D, True)
     x8, scale = _quantize_tile(x, ROT, offs_d, ROWWISE, ROTATE, BLOCK_D, EMU)
     if ROWWISE:
         tl.store(SC + b64 * scb + h64 * sch + start64 + rows, scale, mask=rows < sl)
     else:
         tl.store(SC + b64 * scb + h64 * sch + r0 // ROWS, scale)
     if WRITE_ROWS:
-        ptrs = X8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :]
-        _store_tile(ptrs, x8, rows, sl, offs_d, HEAD_DIM)
+        _store_tile(_head_rows(X8, s8b, s8s, s8h, b, start, h, rows, offs_d), x8, rows, sl, offs_d, HEAD_DIM)
     if WRITE_T:
         tstart = _t_start(CU_T, b, VARLEN).to(tl.int64)
         cols = _operand_column(rows) if PERMUTE_T else rows
@@ -294,26 +289,20 @@ def _fp8_bwd_prep(O, DO, DLSE, LSE, LSE2, DELTA, DO8, DOS, DOA, CU,
     three were a prep pass, a quantization pass and a strided torch reduction (66 us alone); with this kernel
     the FP8 backward's passes went from 304 to 221 us at 4 x 4096 x 16 x 128 on the H200
     (bench/results/sm90/attention_passes_{c755209,eeda825}.json)."""
-    h = tl.program_id(1)
-    b = tl.program_id(2) + b0
-    start, sq, _ = _seq_bounds(CU, b, seqlen_q, seqlen_q, VARLEN)
-    m0 = tl.program_id(0) * ROWS
+    h, b, start, sq, m0 = _row_block(CU, seqlen_q, b0, VARLEN, ROWS)
     if m0 >= sq:
         return
-    b64, h64, start64 = b.to(tl.int64), h.to(tl.int64), start.to(tl.int64)
     rows = m0 + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + b64 * sob + start64 * sos + h64 * soh + rows.to(tl.int64)[:, None] * sos + offs_d[None, :],
-                   rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_tile(DO + b64 * sdb + start64 * sds + h64 * sdh + rows.to(tl.int64)[:, None] * sds + offs_d[None, :],
-                    rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
-    row = b64 * slb + h64 * slh + start64 + rows
+    o = _load_tile(_head_rows(O, sob, sos, soh, b, start, h, rows, offs_d), rows, sq, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_tile(_head_rows(DO, sdb, sds, sdh, b, start, h, rows, offs_d), rows, sq, offs_d, HEAD_DIM, BLOCK_D,
+                    True)
+    row = b.to(tl.int64) * slb + h.to(tl.int64) * slh + start.to(tl.int64) + rows
     inside = rows < sq
     _store_delta_lse2(o, do, DLSE, LSE, LSE2, DELTA, row, inside, HAS_DLSE)
     do8, scale = _quantize_tile(do, None, offs_d, True, False, BLOCK_D, EMU)
     tl.store(DOS + row, scale, mask=inside)
-    _store_tile(DO8 + b64 * s8b + start64 * s8s + h64 * s8h + rows.to(tl.int64)[:, None] * s8s + offs_d[None, :],
-                do8, rows, sq, offs_d, HEAD_DIM)
+    _store_tile(_head_rows(DO8, s8b, s8s, s8h, b, start, h, rows, offs_d), do8, rows, sq, offs_d, HEAD_DIM)
     tl.atomic_max(DOA + h // group, tl.max(tl.max(tl.abs(do.to(tl.float32)), 1), 0))
 
 
