@@ -1,0 +1,80 @@
+"""bench/e2e.py with one tilewise setting changed: an A/B of a candidate against the defaults in the step.
+
+Isolated kernel timings do not predict the step: at 1.3B every variant runs at the H200's 700 W board
+limit (e2e.json's `clocks`), its SM clock well under the one the kernel benches see. So a candidate that
+loses or wins in its own bench is settled here, in the step, beside the baseline and the default variants
+of the same process (they run unchanged apart from the setting):
+- --attn-bwd atomic: every Gluon-covered bf16 attention backward runs attention_sm90_bwd with
+  dq_mode="atomic" (dK/dV and dQ in one kernel, dQ by atomics into a zeroed float32 buffer, then a cast),
+  ATOMIC_CONFIGS' writer configs, instead of racing the split kernels against the Triton ones.
+- --head-chunk-mb N: cross_entropy.CHUNK_BYTES = N MiB, the logits chunk of the fused head (fewer, larger
+  GEMMs; more memory).
+Writes e2e_ab.json (not e2e.json, the README's main table).
+
+    PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+import e2e  # noqa: E402
+from common import RESULTS, environment, write_result  # noqa: E402
+
+# The fastest dkdv_dq configs per head_dim in bench/attention_sm90_bwd.py at the e2e shapes (6e3a2a8): the
+# writer-warp ones.
+ATOMIC_CONFIGS = {128: (64, 64, 2, 1, 1), 64: (64, 64, 2, 1, 2)}
+
+
+def atomic_backward() -> None:
+    """Route every covered bf16 backward to dq_mode='atomic' (no Gluon-against-Triton race for it)."""
+    attention = importlib.import_module("tilewise.ops.attention")
+    sm90_bwd = importlib.import_module("tilewise.ops.attention_sm90_bwd")
+    split = sm90_bwd.backward
+
+    def backward(dout, q, k, v, o, lse, causal, softmax_scale, **kw):
+        return split(dout, q, k, v, o, lse, causal, softmax_scale, dq_mode="atomic",
+                     dkdv_dq_config=ATOMIC_CONFIGS[q.shape[-1]], **kw)
+    sm90_bwd.backward = backward
+    races = attention._gluon_wins
+    attention._gluon_wins = lambda kind, *args: kind == "bwd" or races(kind, *args)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--attn-bwd", choices=("atomic",), help="the bf16 attention backward's dQ mode")
+    p.add_argument("--head-chunk-mb", type=int, help="the fused head's logits chunk in MiB")
+    args, rest = p.parse_known_args()
+    if (args.attn_bwd is None) == (args.head_chunk_mb is None):
+        print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb", file=sys.stderr)
+        return 2
+    if args.head_chunk_mb is not None and args.head_chunk_mb < 1:
+        print(f"bench/e2e_ab.py: --head-chunk-mb={args.head_chunk_mb}; expected >= 1", file=sys.stderr)
+        return 2
+    if args.attn_bwd:
+        atomic_backward()
+        setting = {"attn_bwd": "atomic", "configs": {str(d): list(c) for d, c in ATOMIC_CONFIGS.items()}}
+        flag = "--attn-bwd atomic"
+    else:
+        importlib.import_module("tilewise.ops.cross_entropy").CHUNK_BYTES = args.head_chunk_mb << 20
+        setting = {"head_chunk_mb": args.head_chunk_mb}
+        flag = f"--head-chunk-mb {args.head_chunk_mb}"
+
+    def write(rows, e2e_args):   # e2e.main calls this after every config
+        rest_args = " ".join(rest).replace(f"--out {e2e_args.out}", "").strip() if e2e_args.out else " ".join(rest)
+        result = {"area": f"e2e_ab ({flag})", **environment(), "setting": setting,
+                  "command": f"PYTHONPATH=src python3 bench/e2e_ab.py {flag} {rest_args}".strip(), "rows": rows}
+        write_result(result, "e2e_ab.json", [e2e_args.out])
+    e2e.write = write
+    sys.argv = [sys.argv[0]] + rest
+    return e2e.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
