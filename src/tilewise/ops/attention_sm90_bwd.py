@@ -65,7 +65,9 @@ registers, so it has 24 (WRITER_REGS). At 1.3B's shape the kernel then takes 0.9
 12 causal 0.50 against 0.59 (split 0.38 + 0.24). With the zeroing and the cast (0.10 ms) the whole backward is
 still 0.95-0.97x the split mode at the e2e shapes (bench/results/sm90/attention_sm90_bwd_writer_da5663e.json:
 325.0 against 337.7 TFLOP/s at 1.3B's, 204.1 against 215.3 at GPT-2 124M's), so it stays undispatched. A 1-warp
-writer made it slower (1.34 ms: one warp cannot issue the 32 KB a step needs in time).
+writer made it slower (1.34 ms: one warp cannot issue the 32 KB a step needs in time). Nor does it win in the
+training step (bench/e2e_ab.py --attn-bwd atomic at d4f0276, bench/results/e2e_ab_atomic_d4f0276.json): at 1.3B
+the kernel took 26.3 ms a step against the split kernels' 26.5, and the zeroing and the cast added 3.5 ms.
 Design: the dK/dV kernel's grid, producer and loop, plus dQ_i = dS_i K, so 5 GEMMs a (key tile, query tile) instead
 of 7 (no second S and dP). After dP^T_i each warpgroup stores dS^T_i (16-bit, BLOCK_N x BLOCK_M) to its half of
 stage i's slot of ds_ring (fence_async_shared, then the partition's bar.sync), and takes dK's A from there too
