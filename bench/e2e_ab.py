@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
 import e2e  # noqa: E402
-from common import RESULTS, environment, write_result  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 # The fastest dkdv_dq configs per head_dim in bench/attention_sm90_bwd.py at the e2e shapes (6e3a2a8): the
 # writer-warp ones.
@@ -67,9 +67,9 @@ def main() -> int:
         flag = f"--head-chunk-mb {args.head_chunk_mb}"
 
     def write(rows, e2e_args):   # e2e.main calls this after every config
-        rest_args = " ".join(rest).replace(f"--out {e2e_args.out}", "").strip() if e2e_args.out else " ".join(rest)
+        which = "--quick" if e2e_args.quick else f"--configs {e2e_args.configs} --fp8 '{','.join(e2e_args.fp8)}'"
         result = {"area": f"e2e_ab ({flag})", **environment(), "setting": setting,
-                  "command": f"PYTHONPATH=src python3 bench/e2e_ab.py {flag} {rest_args}".strip(), "rows": rows}
+                  "command": f"PYTHONPATH=src python3 bench/e2e_ab.py {flag} {which} --out DIR", "rows": rows}
         write_result(result, "e2e_ab.json", [e2e_args.out])
     e2e.write = write
     sys.argv = [sys.argv[0]] + rest

@@ -46,3 +46,31 @@ def test_bad_arguments_are_named():
     assert done.returncode == 2 and "exactly one" in done.stderr
     done = _run("--head-chunk-mb", "0")
     assert done.returncode == 2 and "--head-chunk-mb=0" in done.stderr
+
+
+def test_head_chunk_setting_and_result_file(monkeypatch, tmp_path):
+    """The chunk reaches cross_entropy.CHUNK_BYTES, and the rows go to e2e_ab.json (never e2e.json) with the
+    setting and a command that reruns them."""
+    import argparse
+    import json
+    import e2e
+    ce = importlib.import_module("tilewise.ops.cross_entropy")
+    monkeypatch.setattr(ce, "CHUNK_BYTES", ce.CHUNK_BYTES)   # restored after the test
+    monkeypatch.setattr(e2e, "write", e2e.write)
+    monkeypatch.setattr(e2e, "RESULTS", str(tmp_path / "committed"))   # where e2e.write's own file would go
+    seen = {}
+
+    def fake_main():   # what e2e.main does with its results: write them after a config
+        seen["argv"], seen["chunk"] = list(sys.argv[1:]), ce.CHUNK_BYTES
+        e2e.write([{"variant": "tilewise"}], argparse.Namespace(out=str(tmp_path), quick=False,
+                                                                 configs="gpt-1.3b", fp8=[]))
+        return 0
+    monkeypatch.setattr(e2e, "main", fake_main)
+    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", "--head-chunk-mb", "64", "--configs", "gpt-1.3b"])
+    assert e2e_ab.main() == 0
+    assert seen == {"argv": ["--configs", "gpt-1.3b"], "chunk": 64 << 20}
+    result = json.load(open(tmp_path / "e2e_ab.json"))
+    assert not (tmp_path / "e2e.json").exists() and not (tmp_path / "committed").exists()
+    assert result["setting"] == {"head_chunk_mb": 64} and result["rows"] == [{"variant": "tilewise"}]
+    assert result["command"] == ("PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-mb 64 "
+                                 "--configs gpt-1.3b --fp8 '' --out DIR")
