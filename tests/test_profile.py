@@ -40,6 +40,22 @@ def test_summary_busy_idle_and_exposed_communication():
     assert summarize_trace([events[3]], 1) == {"error": "the profiler recorded no GPU activity"}
 
 
+def test_gemm_launches_are_told_apart_by_grid():
+    """One GEMM kernel at two layers' shapes (grids) is two launch rows; the same grid twice is one row with
+    its calls summed; a GEMM event without args has an empty grid; non-GEMMs are not listed."""
+    def gemm(ts, dur, grid=None):
+        e = kernel("nvjet_sm90_tst_128x256", ts, dur)
+        if grid is not None:
+            e["args"] = {"grid": grid, "block": [384, 1, 1]}
+        return e
+    events = [gemm(0, 4e3, [132, 1, 1]), gemm(5e3, 4e3, [132, 1, 1]), gemm(10e3, 10e3, [66, 2, 1]),
+              gemm(30e3, 1e3), kernel("_norm_fwd", 40e3, 1e3)]
+    got = summarize_trace(events, steps=2)["gemm_launches"]
+    assert got == [{"name": "nvjet_sm90_tst_128x256", "grid": [66, 2, 1], "ms": 5, "calls": 0.5},
+                   {"name": "nvjet_sm90_tst_128x256", "grid": [132, 1, 1], "ms": 4, "calls": 1},
+                   {"name": "nvjet_sm90_tst_128x256", "grid": [], "ms": 0.5, "calls": 0.5}]
+
+
 @pytest.mark.parametrize("spec", ["5", "3:3", "4:2", "-1:2", "a:b", "1:2:3"])
 def test_bad_windows_are_refused_by_name(spec):
     with pytest.raises(ValueError, match="train.profile_steps"):

@@ -65,6 +65,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     by_kind = dict.fromkeys(["gemm", "attention", "memory_bound", "optimizer", "communication"], 0.0)
     by_name: dict[str, float] = {}
     calls: dict[str, int] = {}
+    by_launch: dict[tuple, list] = {}   # GEMMs by (name, grid): one kernel at several layers' shapes apart
     everything, comm, compute = [], [], []
     for e in gpu:
         start, dur = float(e["ts"]), float(e.get("dur", 0.0))
@@ -73,6 +74,10 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
         by_kind[kind] += dur
         by_name[name] = by_name.get(name, 0.0) + dur
         calls[name] = calls.get(name, 0) + 1
+        if kind == "gemm":
+            launch = by_launch.setdefault((name, tuple((e.get("args") or {}).get("grid") or ())), [0.0, 0])
+            launch[0] += dur
+            launch[1] += 1
         everything.append((start, start + dur))
         (comm if kind == "communication" else compute).append((start, start + dur))
     busy = _union(everything)
@@ -89,7 +94,10 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
                              "communication_exposed": ms(_length(comm) - _overlap(comm, compute))},
             "top_kernels": listing(ranked[:12]),
             # the many small kinds of kernel between the GEMMs, where a step's time above its floor hides
-            "memory_bound_kernels": listing([kv for kv in ranked if kind_of(kv[0]) == "memory_bound"][:30])}
+            "memory_bound_kernels": listing([kv for kv in ranked if kind_of(kv[0]) == "memory_bound"][:30]),
+            # every GEMM launch shape (its grid says which layer's), to compare two steps' GEMMs one by one
+            "gemm_launches": [{"name": n[:120], "grid": list(grid), "ms": ms(v), "calls": round(c / steps, 2)}
+                              for (n, grid), (v, c) in sorted(by_launch.items(), key=lambda kv: -kv[1][0])[:40]]}
 
 
 def trace_events(prof) -> list[dict]:
