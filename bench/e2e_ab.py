@@ -1,15 +1,16 @@
 """bench/e2e.py with one tilewise setting changed: an A/B of a candidate against the defaults in the step.
 
 Isolated kernel timings do not predict the step: at 1.3B every variant runs at the H200's 700 W board
-limit (e2e.json's `clocks`), its SM clock well under the one the kernel benches see. So a candidate that
-loses or wins in its own bench is settled here, in the step, beside the baseline and the default variants
-of the same process (they run unchanged apart from the setting):
+limit (e2e.json's `clocks`: SM clock median ~1600 MHz), and the attention kernels took 1.15-1.22x their
+own benches' times there (results/sm90/e2e_clocks_6e3a2a8.json). So a candidate that loses or wins in its
+own bench is settled here, in the step, beside the baseline and the default variants of the same process
+(they run unchanged apart from the setting):
 - --attn-bwd atomic: every Gluon-covered bf16 attention backward runs attention_sm90_bwd with
   dq_mode="atomic" (dK/dV and dQ in one kernel, dQ by atomics into a zeroed float32 buffer, then a cast),
   ATOMIC_CONFIGS' writer configs, instead of racing the split kernels against the Triton ones.
 - --head-chunk-mb N: cross_entropy.CHUNK_BYTES = N MiB, the logits chunk of the fused head (fewer, larger
   GEMMs; more memory).
-Writes e2e_ab.json (not e2e.json, the README's main table).
+Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
 
     PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
 """

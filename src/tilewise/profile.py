@@ -65,7 +65,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     by_kind = dict.fromkeys(["gemm", "attention", "memory_bound", "optimizer", "communication"], 0.0)
     by_name: dict[str, float] = {}
     calls: dict[str, int] = {}
-    by_launch: dict[tuple, list] = {}   # GEMMs by (name, grid): one kernel at several layers' shapes apart
+    by_launch: dict[tuple, list] = {}   # GEMMs: (name, grid) -> [us, launches]
     everything, comm, compute = [], [], []
     for e in gpu:
         start, dur = float(e["ts"]), float(e.get("dur", 0.0))
@@ -95,7 +95,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
             "top_kernels": listing(ranked[:12]),
             # the many small kinds of kernel between the GEMMs, where a step's time above its floor hides
             "memory_bound_kernels": listing([kv for kv in ranked if kind_of(kv[0]) == "memory_bound"][:30]),
-            # every GEMM launch shape (its grid says which layer's), to compare two steps' GEMMs one by one
+            # GEMMs by (kernel, grid), a kernel launched at two grids listed twice: two steps' GEMMs side by side
             "gemm_launches": [{"name": n[:120], "grid": list(grid), "ms": ms(v), "calls": round(c / steps, 2)}
                               for (n, grid), (v, c) in sorted(by_launch.items(), key=lambda kv: -kv[1][0])[:40]]}
 
