@@ -10,6 +10,9 @@ own bench is settled here, in the step, beside the baseline and the default vari
   ATOMIC_CONFIGS' writer configs, instead of racing the split kernels against the Triton ones.
 - --head-chunk-mb N: cross_entropy.CHUNK_BYTES = N MiB, the logits chunk of the fused head (fewer, larger
   GEMMs; more memory).
+- --head-chunk-rows N: the fused head's chunks of N token rows each (the last one the rest), whatever their
+  bytes: e.g. rows whose grad_hidden GEMM fills whole waves of output tiles (at 124M a 4736-row chunk's
+  4736 x 768 output is ~111 tiles of 256 x 128 for 132 SMs; results/sm90/e2e_gemm_launches_f0cb7f6.json).
 Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
 
     PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
@@ -51,21 +54,27 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--attn-bwd", choices=("atomic",), help="the bf16 attention backward's dQ mode")
     p.add_argument("--head-chunk-mb", type=int, help="the fused head's logits chunk in MiB")
+    p.add_argument("--head-chunk-rows", type=int, help="the fused head's chunk in token rows")
     args, rest = p.parse_known_args()
-    if (args.attn_bwd is None) == (args.head_chunk_mb is None):
-        print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb", file=sys.stderr)
+    given = [name for name in ("attn_bwd", "head_chunk_mb", "head_chunk_rows") if getattr(args, name) is not None]
+    if len(given) != 1:
+        print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows", file=sys.stderr)
         return 2
-    if args.head_chunk_mb is not None and args.head_chunk_mb < 1:
-        print(f"bench/e2e_ab.py: --head-chunk-mb={args.head_chunk_mb}; expected >= 1", file=sys.stderr)
+    name = given[0]
+    value = getattr(args, name)
+    flag = f"--{name.replace('_', '-')} {value}"
+    if name != "attn_bwd" and value < 1:
+        print(f"bench/e2e_ab.py: {flag.replace(' ', '=')}; expected >= 1", file=sys.stderr)
         return 2
-    if args.attn_bwd:
+    setting = {name: value}
+    cross_entropy = importlib.import_module("tilewise.ops.cross_entropy")
+    if name == "attn_bwd":
         atomic_backward()
-        setting = {"attn_bwd": "atomic", "configs": {str(d): list(c) for d, c in ATOMIC_CONFIGS.items()}}
-        flag = "--attn-bwd atomic"
+        setting["configs"] = {str(d): list(c) for d, c in ATOMIC_CONFIGS.items()}
+    elif name == "head_chunk_mb":
+        cross_entropy.CHUNK_BYTES = value << 20
     else:
-        importlib.import_module("tilewise.ops.cross_entropy").CHUNK_BYTES = args.head_chunk_mb << 20
-        setting = {"head_chunk_mb": args.head_chunk_mb}
-        flag = f"--head-chunk-mb {args.head_chunk_mb}"
+        cross_entropy.default_chunk_rows = lambda n_rows, n_vocab, element_size: max(1, min(value, n_rows))
 
     def write(rows, e2e_args):   # e2e.main calls this after every config
         which = "--quick" if e2e_args.quick else f"--configs {e2e_args.configs} --fp8 '{','.join(e2e_args.fp8)}'"

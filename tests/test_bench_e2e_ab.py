@@ -74,3 +74,27 @@ def test_head_chunk_setting_and_result_file(monkeypatch, tmp_path):
     assert result["setting"] == {"head_chunk_mb": 64} and result["rows"] == [{"variant": "tilewise"}]
     assert result["command"] == ("PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-mb 64 "
                                  "--configs gpt-1.3b --fp8 '' --out DIR")
+
+
+def test_head_chunk_rows_setting(monkeypatch, tmp_path):
+    import argparse
+    import json
+    import e2e
+    ce = importlib.import_module("tilewise.ops.cross_entropy")
+    monkeypatch.setattr(ce, "default_chunk_rows", ce.default_chunk_rows)   # restored after the test
+    monkeypatch.setattr(e2e, "write", e2e.write)
+    monkeypatch.setattr(e2e, "RESULTS", str(tmp_path / "committed"))
+    seen = {}
+
+    def fake_main():
+        seen["rows"] = [ce.default_chunk_rows(n, 50304, 2) for n in (32768, 100)]
+        e2e.write([], argparse.Namespace(out=str(tmp_path), quick=True, configs="", fp8=[]))
+        return 0
+    monkeypatch.setattr(e2e, "main", fake_main)
+    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", "--head-chunk-rows", "5632", "--quick"])
+    assert e2e_ab.main() == 0
+    assert seen["rows"] == [5632, 100]   # a shorter input is one chunk
+    result = json.load(open(tmp_path / "e2e_ab.json"))
+    assert result["setting"] == {"head_chunk_rows": 5632}
+    assert result["command"] == "PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-rows 5632 --quick --out DIR"
+    assert _run("--head-chunk-rows", "-3").stderr.strip().endswith("--head-chunk-rows=-3; expected >= 1")
