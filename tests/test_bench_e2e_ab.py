@@ -1,9 +1,9 @@
 """bench/e2e_ab.py: its settings reach the ops they name, and bad arguments are refused by name."""
 import importlib
 import os
-import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,18 +34,24 @@ def test_atomic_backward_routes_every_covered_backward(monkeypatch):
     assert kw == {"dq_mode": "atomic", "dkdv_dq_config": e2e_ab.ATOMIC_CONFIGS[64], "grads": None}
 
 
-def _run(*argv):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e_ab.py"), *argv],
-                          capture_output=True, text=True, timeout=120)
+def _refusal(monkeypatch, capsys, *argv):
+    """main()'s exit code and stderr for argv; e2e.main must not be reached."""
+    import e2e
+    monkeypatch.setattr(e2e, "main", lambda: pytest.fail("ran e2e.main on bad arguments"))
+    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", *argv])
+    code = e2e_ab.main()
+    return code, capsys.readouterr().err
 
 
-def test_bad_arguments_are_named():
-    done = _run()
-    assert done.returncode == 2 and "exactly one of --attn-bwd, --head-chunk-mb" in done.stderr
-    done = _run("--attn-bwd", "atomic", "--head-chunk-mb", "64")
-    assert done.returncode == 2 and "exactly one" in done.stderr
-    done = _run("--head-chunk-mb", "0")
-    assert done.returncode == 2 and "--head-chunk-mb=0" in done.stderr
+def test_bad_arguments_are_named(monkeypatch, capsys):
+    assert _refusal(monkeypatch, capsys) == (
+        2, "bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows\n")
+    code, err = _refusal(monkeypatch, capsys, "--attn-bwd", "atomic", "--head-chunk-mb", "64")
+    assert code == 2 and "exactly one" in err
+    assert _refusal(monkeypatch, capsys, "--head-chunk-mb", "0") == (
+        2, "bench/e2e_ab.py: --head-chunk-mb=0; expected >= 1\n")
+    assert _refusal(monkeypatch, capsys, "--head-chunk-rows", "-3") == (
+        2, "bench/e2e_ab.py: --head-chunk-rows=-3; expected >= 1\n")
 
 
 def test_head_chunk_setting_and_result_file(monkeypatch, tmp_path):
@@ -97,4 +103,3 @@ def test_head_chunk_rows_setting(monkeypatch, tmp_path):
     result = json.load(open(tmp_path / "e2e_ab.json"))
     assert result["setting"] == {"head_chunk_rows": 5632}
     assert result["command"] == "PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-rows 5632 --quick --out DIR"
-    assert _run("--head-chunk-rows", "-3").stderr.strip().endswith("--head-chunk-rows=-3; expected >= 1")
