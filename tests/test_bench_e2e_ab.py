@@ -54,52 +54,49 @@ def test_bad_arguments_are_named(monkeypatch, capsys):
         2, "bench/e2e_ab.py: --head-chunk-rows=-3; expected >= 1\n")
 
 
-def test_head_chunk_setting_and_result_file(monkeypatch, tmp_path):
-    """The chunk reaches cross_entropy.CHUNK_BYTES, and the rows go to e2e_ab.json (never e2e.json) with the
-    setting and a command that reruns them."""
+def _result_of(monkeypatch, tmp_path, argv, probe, **e2e_args):
+    """Run e2e_ab.main() on argv with e2e.main stood in by what it does with its results (write them after a
+    config, with `e2e_args` as its parsed arguments), probe() called first; returns (what probe returned,
+    the e2e_ab.json written). Nothing may reach e2e.json or the committed results folder."""
     import argparse
     import json
     import e2e
-    ce = importlib.import_module("tilewise.ops.cross_entropy")
-    monkeypatch.setattr(ce, "CHUNK_BYTES", ce.CHUNK_BYTES)   # restored after the test
-    monkeypatch.setattr(e2e, "write", e2e.write)
+    monkeypatch.setattr(e2e, "write", e2e.write)   # restored after the test, as every setattr here
     monkeypatch.setattr(e2e, "RESULTS", str(tmp_path / "committed"))   # where e2e.write's own file would go
-    seen = {}
+    seen = []
 
-    def fake_main():   # what e2e.main does with its results: write them after a config
-        seen["argv"], seen["chunk"] = list(sys.argv[1:]), ce.CHUNK_BYTES
-        e2e.write([{"variant": "tilewise"}], argparse.Namespace(out=str(tmp_path), quick=False,
-                                                                 configs="gpt-1.3b", fp8=[]))
+    def fake_main():
+        seen.append(probe())
+        e2e.write([{"variant": "tilewise"}], argparse.Namespace(out=str(tmp_path), **e2e_args))
         return 0
     monkeypatch.setattr(e2e, "main", fake_main)
-    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", "--head-chunk-mb", "64", "--configs", "gpt-1.3b"])
+    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", *argv])
     assert e2e_ab.main() == 0
-    assert seen == {"argv": ["--configs", "gpt-1.3b"], "chunk": 64 << 20}
-    result = json.load(open(tmp_path / "e2e_ab.json"))
     assert not (tmp_path / "e2e.json").exists() and not (tmp_path / "committed").exists()
-    assert result["setting"] == {"head_chunk_mb": 64} and result["rows"] == [{"variant": "tilewise"}]
+    result = json.load(open(tmp_path / "e2e_ab.json"))
+    assert result["rows"] == [{"variant": "tilewise"}]
+    return seen[0], result
+
+
+def test_head_chunk_setting_and_result_file(monkeypatch, tmp_path):
+    """The chunk reaches cross_entropy.CHUNK_BYTES, and the rows go to e2e_ab.json (never e2e.json) with the
+    setting and a command that reruns them."""
+    ce = importlib.import_module("tilewise.ops.cross_entropy")
+    monkeypatch.setattr(ce, "CHUNK_BYTES", ce.CHUNK_BYTES)   # restored after the test
+    seen, result = _result_of(monkeypatch, tmp_path, ["--head-chunk-mb", "64", "--configs", "gpt-1.3b"],
+                              lambda: (list(sys.argv[1:]), ce.CHUNK_BYTES), quick=False, configs="gpt-1.3b", fp8=[])
+    assert seen == (["--configs", "gpt-1.3b"], 64 << 20)
+    assert result["setting"] == {"head_chunk_mb": 64}
     assert result["command"] == ("PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-mb 64 "
                                  "--configs gpt-1.3b --fp8 '' --out DIR")
 
 
 def test_head_chunk_rows_setting(monkeypatch, tmp_path):
-    import argparse
-    import json
-    import e2e
     ce = importlib.import_module("tilewise.ops.cross_entropy")
     monkeypatch.setattr(ce, "default_chunk_rows", ce.default_chunk_rows)   # restored after the test
-    monkeypatch.setattr(e2e, "write", e2e.write)
-    monkeypatch.setattr(e2e, "RESULTS", str(tmp_path / "committed"))
-    seen = {}
-
-    def fake_main():
-        seen["rows"] = [ce.default_chunk_rows(n, 50304, 2) for n in (32768, 100)]
-        e2e.write([], argparse.Namespace(out=str(tmp_path), quick=True, configs="", fp8=[]))
-        return 0
-    monkeypatch.setattr(e2e, "main", fake_main)
-    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", "--head-chunk-rows", "5632", "--quick"])
-    assert e2e_ab.main() == 0
-    assert seen["rows"] == [5632, 100]   # a shorter input is one chunk
-    result = json.load(open(tmp_path / "e2e_ab.json"))
+    rows, result = _result_of(monkeypatch, tmp_path, ["--head-chunk-rows", "5632", "--quick"],
+                              lambda: [ce.default_chunk_rows(n, 50304, 2) for n in (32768, 100)],
+                              quick=True, configs="", fp8=[])
+    assert rows == [5632, 100]   # a shorter input is one chunk
     assert result["setting"] == {"head_chunk_rows": 5632}
     assert result["command"] == "PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-rows 5632 --quick --out DIR"
