@@ -77,9 +77,9 @@ import torch
 
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile, as_rows,
-                         check_dense, exp2_split, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers,
-                         mbarrier, new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max,
-                         row_sum, stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
+                         check_dense, fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier,
+                         new_output, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum,
+                         stream_kv, tensordesc_type, tma, token_rows, warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
 LOG2E = 1.4426950408889634
@@ -88,9 +88,7 @@ LOG2E = 1.4426950408889634
 # (the sums' order), but ran slower on the H200 (bench/softmax_rows.py at 2062a2c, d128, (4, 4096, 16) and
 # (1, 16384, 16): FP8 forward 0.88-0.98x, bf16 0.87-0.98x; bench/results/sm90/softmax_rows_2062a2c.json).
 TREE_ROWS = False
-# Of every 4 softmax exponentials a thread computes, how many go to gluon_sm90.exp2_split's polynomial
-# instead of MUFU.EX2 (0, 1 or 2). Not timed yet, so 0.
-EXP2_POLY = 0
+# A polynomial for some of the exponentials instead of MUFU.EX2: tried and removed, see fp8_attention_sm90.
 
 # (BLOCK_M per consumer warpgroup, BLOCK_N, STAGES) per head_dim; the first is the grid schedule's default. A
 # fourth element 1 turns on PINGPONG (see _consumer), slower where measured (see above): no default uses it. A
@@ -123,8 +121,7 @@ if gl is not None:
                       O, LSE, row0, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      FIRST: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr,
-                      POLY: gl.constexpr):
+                      FIRST: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h) over n_blocks
             key blocks: S_j's wgmma and P_{j-1} V_{j-1}'s are in flight together, the softmax of S_j runs
             under the latter. With PINGPONG the two warpgroups take turns issuing their wgmmas (batch j of
@@ -178,7 +175,7 @@ if gl is not None:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                 s = gl.where(keep, s, float("-inf"))
             m_i = row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * qk_scale
-            p = exp2_split(s * qk_scale - gl.expand_dims(m_i, 1), POLY)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
             l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -208,7 +205,7 @@ if gl is not None:
                         keep = keep & (gl.expand_dims(kpos, 0) <= gl.expand_dims(qpos, 1))
                     s = gl.where(keep, s, float("-inf"))
                 m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * qk_scale)
-                p = exp2_split(s * qk_scale - gl.expand_dims(m_new, 1), POLY)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
                 m_i = m_new
@@ -258,8 +255,7 @@ if gl is not None:
         def _consumer_tiles(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, O, LSE, seqlen,
                             heads, group, n_pairs, units, section, n_tiles, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr,
-                            POLY: gl.constexpr):
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr):
             """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's
             second with SECOND) of tiles pid, pid + nprog, ..., the producer's order. Tile i's Q is q_bar's
             phase i & 1; the ring's slots run on from tile to tile as the producer fills them."""
@@ -270,7 +266,7 @@ if gl is not None:
                                                          BLOCK_N, CAUSAL)
                 _consumer(q_tile, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free, q_free, q_free,
                           O, LSE, m0 + SECOND * BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, q_phase, filled,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, not SECOND, True, TREE, POLY)
+                          HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, not SECOND, True, TREE)
                 filled += n_blocks
                 q_phase ^= 1
 
@@ -279,7 +275,7 @@ if gl is not None:
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                            PERSISTENT: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, TREE: gl.constexpr, POLY: gl.constexpr):
+                           CONSUMER_REGS: gl.constexpr, TREE: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
             grid (programs,) of at most one per SM, each over tiles pid, pid + programs, ... in
             query_pair_tile's order (`section`: its causal section, in units of (batch, head))."""
@@ -308,10 +304,10 @@ if gl is not None:
                 gl.warp_specialize([
                     (_consumer_tiles, (q_tiles.index(0), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
                                        v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
-                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 0, TREE, POLY)),
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 0, TREE)),
                     (_consumer_tiles, (q_tiles.index(1), k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free,
                                        v_free, O, LSE, seqlen, heads, group, n_pairs, units, section, n_tiles,
-                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, TREE, POLY)),
+                                       qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1, TREE)),
                     (produce_tiles, (q_desc, k_desc, v_desc, q_tiles.index(0), q_tiles.index(1), k_ring, v_ring,
                                      q_bar, q_free, k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs,
                                      units, section, n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False)),
@@ -324,11 +320,11 @@ if gl is not None:
                     (_consumer, (q_tiles.index(0), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
                                  turn.index(0), turn.index(1), O, LSE, row0, seqlen, b, h, heads, n_blocks,
                                  qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, True, False,
-                                 TREE, POLY)),
+                                 TREE)),
                     (_consumer, (q_tiles.index(1), k_ring, v_ring, q_bar, q_bar, k_full, v_full, k_free, v_free,
                                  turn.index(1), turn.index(0), O, LSE, row1, seqlen, b, h, heads, n_blocks,
                                  qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, PINGPONG, False,
-                                 False, TREE, POLY)),
+                                 False, TREE)),
                     (_producer, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_bar, k_full, v_full, k_free,
                                  v_free, b * seqlen + m0, b * seqlen, hk * HEAD_DIM, h * HEAD_DIM, n_blocks,
                                  BLOCK_M, BLOCK_N, STAGES)),
@@ -355,8 +351,7 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
                                                    head_dim)
     q_layout, kv_layout = _smem_layouts(bm, bn, head_dim, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  PERSISTENT=persistent, TREE=TREE_ROWS, POLY=EXP2_POLY,
-                  **ROLE_CONSTS)
+                  PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
              "v_desc": tensordesc_type(dtype, (bn, head_dim), kv_layout),
@@ -457,6 +452,5 @@ def forward(q, k, v, causal: bool, softmax_scale: float, config=None, num_warps:
         section = 1
     _FWD_LAUNCH(grid, q_desc, k_desc, v_desc, o, lse, seqlen, heads, group, softmax_scale * LOG2E, batch,
                 section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                PERSISTENT=persistent, TREE=TREE_ROWS, POLY=EXP2_POLY, **ROLE_CONSTS,
-                num_warps=num_warps)
+                PERSISTENT=persistent, TREE=TREE_ROWS, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse

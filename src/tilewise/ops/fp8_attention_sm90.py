@@ -100,8 +100,7 @@ from . import fp8_attention as f8
 from .gluon_sm90 import builds_ahead
 from .gluon_sm90 import (GLUON_ERROR as _GLUON_ERROR, ROLE_CONSTS, TensorDescriptor, aot_compile,
                          fence_async_shared, gl, gluon, invalidate_kv_ring, kv_ring_barriers, mbarrier, new_output,
-                         exp2_split, on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum,
-                         stream_kv,
+                         on_sm90, produce_tiles, query_pair_tile, query_pair_work, row_max, row_sum, stream_kv,
                          tensordesc_type, tma, warpgroup_mma, warpgroup_mma_wait)
 from .launch import FastLauncher
 
@@ -139,9 +138,12 @@ CONFIGS = {
 # (the sums' order), but ran slower on the H200 (bench/softmax_rows.py at 2062a2c, d128, (4, 4096, 16) and
 # (1, 16384, 16): FP8 forward 0.88-0.98x, bf16 0.87-0.98x; bench/results/sm90/softmax_rows_2062a2c.json).
 TREE_ROWS = False
-# Of every 4 softmax exponentials a thread computes, how many go to gluon_sm90.exp2_split's polynomial
-# instead of MUFU.EX2 (0, 1 or 2). Not timed yet, so 0.
-EXP2_POLY = 0
+# Tried and removed: 1 or 2 of every 4 softmax exponentials by a degree-3 polynomial on the FMA and integer
+# pipes instead of MUFU.EX2 (FlashAttention-4's split; at FP8 rates a 64 x 128 tile's 8192 exp2s at 16 a clock
+# take as long as its two wgmmas at peak). The outputs matched the float64 reference as before, but every cell
+# ran slower, FP8 0.92-1.00x and 0.83-0.92x, bf16 0.89-0.94x and 0.83-0.89x (d128, 3 shapes, causal and not;
+# bench/results/sm90/exp2_split_9d7ad99.json, bench/exp2_split.py at 9d7ad99): the loop's 672 instructions
+# became 786 and 899, so issue and latency, not MUFU, bound the consumers.
 # The persistent config that is the default up to attention_sm90.PERSISTENT_UP_TO tokens, where measured.
 PERSISTENT_DEFAULT = {128: (64, 128, 3, 1, 0, 1)}
 
@@ -222,7 +224,7 @@ if gl is not None:
                       q_phase, filled, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
                       P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr, PERSISTENT: gl.constexpr,
-                      TREE: gl.constexpr, POLY: gl.constexpr):
+                      TREE: gl.constexpr):
             """One warpgroup's query tile (rows row0 .. row0 + BLOCK_M of sequence b, head h): quantize Q
             into q8_tile, then n_blocks key blocks with S_j's wgmma and P_{j-1} V_{j-1}'s in flight together.
             With PINGPONG the two warpgroups take turns issuing their batch of wgmmas (batch j of the FIRST,
@@ -282,7 +284,7 @@ if gl is not None:
                 s = gl.where(keep, s, float("-inf"))
             c = qc * ks
             m_i = row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * c
-            p = exp2_split(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1), POLY)   # P * 256
+            p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_i - 8.0, 1))   # P * 256
             l_i = row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
             if P_SMEM == 1:
                 p_tiles.index(0).store(p.to(fp8))
@@ -330,7 +332,7 @@ if gl is not None:
                     s = gl.where(keep, s, float("-inf"))
                 c = qc * ks
                 m_new = gl.maximum(m_i, row_max(s, BLOCK_M, BLOCK_N, row_s, TREE) * c)
-                p = exp2_split(s * gl.expand_dims(c, 1) - gl.expand_dims(m_new - 8.0, 1), POLY)
+                p = gl.exp2(s * gl.expand_dims(c, 1) - gl.expand_dims(m_new - 8.0, 1))
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + row_sum(p, BLOCK_M, BLOCK_N, row_s, TREE)
                 m_i = m_new
@@ -399,8 +401,7 @@ if gl is not None:
                             O, LSE, KS, VS, ssb, ssh, seqlen, heads, group, n_pairs, units, section, n_tiles,
                             qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
-                            P_SMEM: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr,
-                            POLY: gl.constexpr):
+                            P_SMEM: gl.constexpr, SECOND: gl.constexpr, TREE: gl.constexpr):
             """A consumer warpgroup in the persistent schedule: _consumer for its query tile (the pair's second
             with SECOND) of tiles pid, pid + nprog, ..., the producer's order; tile i's Q is q_bar's phase
             i & 1, and the ring's slots run on from tile to tile."""
@@ -413,7 +414,7 @@ if gl is not None:
                 _consumer(q_tile, q8_tile, p_tiles, k_ring, v_ring, q_bar, q_free, k_full, v_full, k_free, v_free,
                           q_free, q_free, O, LSE, KS, VS, s_base, m0 + SECOND * BLOCK_M, seqlen, b, h, heads,
                           n_blocks, qk_scale, q_phase, filled, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KV_BLOCK,
-                          P_SMEM, False, not SECOND, True, TREE, POLY)
+                          P_SMEM, False, not SECOND, True, TREE)
                 filled += n_blocks
                 q_phase ^= 1
 
@@ -422,7 +423,6 @@ if gl is not None:
                           qk_scale, batch, section, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, KV_BLOCK: gl.constexpr,
                           P_SMEM: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, TREE: gl.constexpr,
-                          POLY: gl.constexpr,
                           PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
             """Grid (query tile pairs, heads_q, batch), causal pairs latest (heaviest) first; with PERSISTENT a
             grid (programs,) of at most one per SM over tiles pid, pid + programs, ... in query_pair_tile's
@@ -476,11 +476,11 @@ if gl is not None:
                     (_consumer_tiles, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full,
                                        v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
                                        n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0, TREE, POLY)),
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 0, TREE)),
                     (_consumer_tiles, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full,
                                        v_full, k_free, v_free, O, LSE, KS, VS, ssb, ssh, seqlen, heads, group,
                                        n_pairs, units, section, n_tiles, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1, TREE, POLY)),
+                                       STAGES, CAUSAL, KV_BLOCK, P_SMEM, 1, TREE)),
                     (produce_tiles, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, q_free,
                                      k_full, v_full, k_free, v_free, seqlen, heads, group, n_pairs, units, section,
                                      n_tiles, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True)),
@@ -491,11 +491,11 @@ if gl is not None:
                     (_consumer, (q_tile0, q8_tiles.index(0), p0, k_ring, v_ring, q_bar, q_free, k_full, v_full,
                                  k_free, v_free, turn.index(0), turn.index(1), O, LSE, KS, VS, s_base, m0, seqlen,
                                  b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                                 KV_BLOCK, P_SMEM, PINGPONG, True, False, TREE, POLY)),
+                                 KV_BLOCK, P_SMEM, PINGPONG, True, False, TREE)),
                     (_consumer, (q_tile1, q8_tiles.index(1), p1, k_ring, v_ring, q_bar, q_free, k_full, v_full,
                                  k_free, v_free, turn.index(1), turn.index(0), O, LSE, KS, VS, s_base,
                                  m0 + BLOCK_M, seqlen, b, h, heads, n_blocks, qk_scale, 0, 0, HEAD_DIM, BLOCK_M,
-                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False, TREE, POLY)),
+                                 BLOCK_N, STAGES, CAUSAL, KV_BLOCK, P_SMEM, PINGPONG, False, False, TREE)),
                     (_producer, (q_desc, k_desc, v_desc, q_tile0, q_tile1, k_ring, v_ring, q_bar, k_full, v_full,
                                  k_free, v_free, b * seqlen + m0, h * HEAD_DIM, b * seqlen, hk * HEAD_DIM,
                                  (b * kv_heads + hk) * HEAD_DIM, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
@@ -531,7 +531,7 @@ def compile_sm90(head_dim: int, causal: bool, dtype: str = "bf16", config=None):
     q_layout, k_layout, v_layout = _layouts(head_dim, bm, bn, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU,
                   P_SMEM=p_smem, PINGPONG=bool(pingpong), PERSISTENT=bool(persistent), TREE=TREE_ROWS,
-                  POLY=EXP2_POLY, **ROLE_CONSTS)
+                  **ROLE_CONSTS)
     types = {"q_desc": tensordesc_type(dtype, (bm, head_dim), q_layout),
              "k_desc": tensordesc_type("fp8e4nv", (bn, head_dim), k_layout),
              "v_desc": tensordesc_type("fp8e4nv", (head_dim, bn), v_layout),
@@ -649,8 +649,7 @@ def forward(q, k8, v8t, ks, vs, causal: bool, softmax_scale: float, *, rotate: b
     _FWD_LAUNCH(grid, q_desc, k_desc, v_desc, ks, vs, o, lse, seqlen, heads, kv_heads, group, ks.stride(0),
                 ks.stride(1), softmax_scale * LOG2E, batch, section, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
                 STAGES=stages, CAUSAL=causal, KV_BLOCK=KV_BLOCK_GPU, P_SMEM=p_smem, PINGPONG=bool(pingpong),
-                PERSISTENT=bool(persistent), TREE=TREE_ROWS, POLY=EXP2_POLY, **ROLE_CONSTS,
-                num_warps=num_warps)
+                PERSISTENT=bool(persistent), TREE=TREE_ROWS, **ROLE_CONSTS, num_warps=num_warps)
     return o, lse
 
 

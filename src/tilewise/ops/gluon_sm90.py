@@ -148,27 +148,8 @@ def check_dense(who: str, q, k, v, causal, softmax_scale, head_dims) -> None:
 
 
 query_pair_work = stream_kv = kv_ring_barriers = invalidate_kv_ring = heavy_first = grid_tile = None
-query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = exp2_split = None
+query_pair_tile = stream_kv_from = produce_tiles = row_max = row_sum = None
 GRID_SECTION = None
-
-
-def _exp2_poly_ptx(x: str, out: str) -> str:
-    """PTX for out = 2^x on the FMA and integer pipes (no MUFU): x clamped to -126, floor(x) by adding
-    1.5 * 2^23 rounding down (the integer lands in the sum's low mantissa bits), 2^frac by a degree-3
-    polynomial (relative error 8.6e-5 on [0, 1), p(0) = 1), and floor(x) added into its exponent field. For
-    x <= -126 the result is 2^-126 or less (MUFU.EX2 gives 0 below -126): the softmax weights it makes
-    are below any float32 row sum's resolution."""
-    return ("{ .reg .f32 t, m, j, f, p; .reg .b32 e, pb; "
-            f"max.f32 t, {x}, 0fC2FC0000; add.rm.f32 m, t, 0f4B400000; sub.f32 j, m, 0f4B400000; "
-            "sub.f32 f, t, j; fma.rn.f32 p, f, 0f3D9DD45C, 0f3E691C4C; fma.rn.f32 p, p, f, 0f3F31F325; "
-            f"fma.rn.f32 p, p, f, 0f3F800000; shl.b32 e, m, 23; mov.b32 pb, p; add.s32 {out}, pb, e; }} ")
-
-
-def _exp2_split_ptx(poly: int) -> str:
-    """PTX for four elements ($4..$7 to $0..$3): the last `poly` by the polynomial, the rest by ex2.approx
-    (.ftz: what gl.exp2 of a float32 compiles to)."""
-    return "".join(_exp2_poly_ptx(f"${4 + i}", f"${i}") if i >= 4 - poly else f"ex2.approx.ftz.f32 ${i}, ${4 + i}; "
-                   for i in range(4))
 if gluon is not None:
     try:
         # The (batch, head) units a causal one-program-per-tile grid launches together (grid_tile): enough that
@@ -177,23 +158,6 @@ if gluon is not None:
         # kernels alone): FP8 dK/dV and dQ 1.04-1.06x at 8 x 2048 and 4 x 4096 x 16 heads (d128); bf16 dQ
         # 1.02-1.04x, bf16 dK/dV 1.01x at 8 x 2048 and 32 x 1024 (d64) but 0.98x at 4 x 4096 (its default config).
         GRID_SECTION = gl.constexpr(16)
-        _EXP2_SPLIT_1 = gl.constexpr(_exp2_split_ptx(1))
-        _EXP2_SPLIT_2 = gl.constexpr(_exp2_split_ptx(2))
-
-        @gluon.jit
-        def exp2_split(x, POLY: gl.constexpr):
-            """gl.exp2(x) of a float32 tensor with POLY (0, 1 or 2) of every 4 of a thread's elements computed
-            by _exp2_poly_ptx's polynomial instead of MUFU.EX2 (FlashAttention-4's split). An SM's MUFU
-            issues 16 exp2 a clock: for an E4M3 softmax tile that is as long as its two wgmmas at the FP8 peak,
-            so a forward at FP8 rates waits on MUFU; the polynomial costs 9 FMA/ALU instructions instead."""
-            if POLY == 1:
-                return gl.inline_asm_elementwise(_EXP2_SPLIT_1, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                                 is_pure=True, pack=4)
-            elif POLY == 2:
-                return gl.inline_asm_elementwise(_EXP2_SPLIT_2, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                                 is_pure=True, pack=4)
-            else:
-                return gl.exp2(x)
 
         @gluon.jit
         def heavy_first(t, n_ranks, units, section):
