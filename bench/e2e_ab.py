@@ -75,7 +75,7 @@ def main() -> int:
     elif name == "head_chunk_mb":
         cross_entropy.CHUNK_BYTES = value << 20
     else:
-        cross_entropy.default_chunk_rows = lambda n_rows, n_vocab, element_size: max(1, min(value, n_rows))
+        cross_entropy.default_chunk_rows = lambda n_rows, *_: max(1, min(value, n_rows))
 
     def write(rows, e2e_args):   # e2e.main calls this after every config
         which = "--quick" if e2e_args.quick else f"--configs {e2e_args.configs} --fp8 '{','.join(e2e_args.fp8)}'"

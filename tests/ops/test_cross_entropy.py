@@ -399,6 +399,33 @@ def test_default_chunk_rows_properties(n_rows, vocab, element_size):
         assert rows % 128 == 0 or rows == most
 
 
+def test_default_chunk_rows_fills_the_grad_hidden_waves():
+    """With the width and SM count: GPT-2 124M's 7 chunks of 4736 rows leave 18 of 132 SMs idle in their
+    grad_hidden GEMM (114 tiles of 256 x 128), so 3 chunks of 11008 (258 tiles, two waves) are taken; the
+    1.3B shapes' 4096-row chunks fill their two waves (256 tiles) and stay."""
+    from tilewise.ops.cross_entropy import wave_fill
+    assert default_chunk_rows(32768, 50257, 2) == 4736
+    assert wave_fill(4736, 768, 132) == pytest.approx(114 / 132)
+    assert default_chunk_rows(32768, 50257, 2, 768, 132) == 11008
+    assert default_chunk_rows(16384, 50257, 2, 2048, 132) == 4096
+    assert default_chunk_rows(100, 50257, 2, 768, 132) == 100   # one chunk: nothing to choose
+
+
+@pytest.mark.parametrize("n_rows", [5000, 16384, 32768, 100_003])
+@pytest.mark.parametrize("width,sms", [(768, 132), (2048, 132), (4096, 108), (1024, 78)])
+def test_default_chunk_rows_with_waves_properties(n_rows, width, sms):
+    """Either the CHUNK_BYTES split, when its GEMM fills WAVE_FILL of its waves or nothing within
+    CHUNK_BYTES_MAX does, or fewer chunks of at most CHUNK_BYTES_MAX that do."""
+    ce = importlib.import_module("tilewise.ops.cross_entropy")   # tilewise.ops.cross_entropy is the function
+    vocab, size = 50257, 2
+    plain = default_chunk_rows(n_rows, vocab, size)
+    rows = default_chunk_rows(n_rows, vocab, size, width, sms)
+    assert 1 <= rows <= n_rows and rows * vocab * size <= max(ce.CHUNK_BYTES_MAX, vocab * size)
+    if rows != plain:
+        assert ce.wave_fill(plain, width, sms) < ce.WAVE_FILL <= ce.wave_fill(rows, width, sms)
+        assert math.ceil(n_rows / rows) < math.ceil(n_rows / plain)
+
+
 def test_reference_path_on_cpu_by_default():
     gen = torch.Generator().manual_seed(8)
     hidden, weight, _, target = _linear_case(6, 8, 20, torch.float32, "cpu", gen, False)

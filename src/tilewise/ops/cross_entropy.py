@@ -11,7 +11,8 @@ How the rows are launched (slice width, warps, one program per row or a few per 
 rows) is a RowConfig, picked by bench/cross_entropy.py --sweep.
 
 linear_cross_entropy: the (tokens, vocab) logits never exist. Rows go in equal chunks of at most
-CHUNK_BYTES of logits; for each chunk cuBLAS writes the chunk's logits in the input dtype, one launch of the
+CHUNK_BYTES of logits (up to CHUNK_BYTES_MAX on a GPU where fewer, larger chunks fill its SMs:
+default_chunk_rows); for each chunk cuBLAS writes the chunk's logits in the input dtype, one launch of the
 row kernel does the forward and the backward of every row and overwrites the logits with their gradient,
 then grad_hidden[chunk] = dlogits @ W goes straight into its slice and grad_W += dlogits.T @ hidden[chunk]
 is one GEMM with beta=1 into a float32 accumulator. All of it runs in the forward, stream-ordered, without
@@ -48,6 +49,12 @@ FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 # Logits of one row chunk in linear_cross_entropy. On the H200 at 16384 x 768 x 50304 bf16, 4096-row chunks
 # (412 MB) took 7.34 ms and 13.5% of the unfused path's peak memory, 2048-row chunks 7.76 ms and 9.4%.
 CHUNK_BYTES = 512 << 20
+# A chunk may grow up to CHUNK_BYTES_MAX when the CHUNK_BYTES split leaves the chunks' grad_hidden GEMM
+# (chunk rows x width) idling part of its last wave of GEMM_TILE output tiles over the SMs, as the fewest
+# chunks that fill at least WAVE_FILL of their waves (see default_chunk_rows).
+CHUNK_BYTES_MAX = 1280 << 20
+GEMM_TILE = (256, 128)
+WAVE_FILL = 0.9
 WHOLE_ROW_MAX = 4096  # default RowConfig: rows up to this wide are read once (WHOLE_ROW)
 
 
@@ -286,16 +293,41 @@ def _mm_accumulate(acc, a, b, first):
         acc.add_(a @ b)
 
 
-def default_chunk_rows(n_rows, n_vocab, element_size):
-    """Rows per chunk: the rows split into equal chunks whose logits take at most about CHUNK_BYTES, in a
-    multiple of 128 rows (cuBLAS tiles) where the chunk has that many; at least 1, at most n_rows."""
-    most = max(1, CHUNK_BYTES // max(1, n_vocab * element_size))
-    if n_rows <= most:
-        return max(1, n_rows)
-    chunks = -(-n_rows // most)
+def _equal_rows(n_rows, chunks, most):
+    """Rows per chunk of `chunks` equal chunks, in a multiple of 128 rows (cuBLAS tiles) where a chunk has
+    that many, at most `most`."""
     rows = -(-n_rows // chunks)
     if rows >= 128:
         rows = min(most, -(-rows // 128) * 128) if most >= 128 else rows
+    return rows
+
+
+def wave_fill(rows, width, sms) -> float:
+    """The share of its waves a (rows x width) GEMM output of GEMM_TILE tiles keeps busy on `sms` SMs."""
+    tiles = -(-rows // GEMM_TILE[0]) * -(-width // GEMM_TILE[1])
+    return tiles / (-(-tiles // sms) * sms)
+
+
+def default_chunk_rows(n_rows, n_vocab, element_size, width=None, sms=None):
+    """Rows per chunk: the rows split into equal chunks whose logits take at most about CHUNK_BYTES, in a
+    multiple of 128 rows (cuBLAS tiles) where the chunk has that many; at least 1, at most n_rows.
+    Given the hidden width and the device's SM count: where that chunk's grad_hidden GEMM fills less than
+    WAVE_FILL of its waves, the fewest chunks of at most CHUNK_BYTES_MAX that fill more. GPT-2 124M on the
+    H200 (32768 rows, width 768, 132 SMs): 7 chunks of 4736 rows fill 0.86 of a wave (114 tiles), 3 of 11008
+    rows 0.98 of two (258), and the step took 59.2 and 59.5 ms against 60.4 and 60.3 for 7 chunks, alternating in
+    one device session (bench/results/e2e_ab_head_rows_dfdafa8.json), 14.2 GB at peak against 13.6."""
+    row_bytes = max(1, n_vocab * element_size)
+    most = max(1, CHUNK_BYTES // row_bytes)
+    if n_rows <= most:
+        return max(1, n_rows)
+    chunks = -(-n_rows // most)
+    rows = _equal_rows(n_rows, chunks, most)
+    if width and sms and wave_fill(rows, width, sms) < WAVE_FILL:
+        largest = max(1, CHUNK_BYTES_MAX // row_bytes)
+        for fewer in range(-(-n_rows // largest), chunks):
+            candidate = _equal_rows(n_rows, fewer, largest)
+            if wave_fill(candidate, width, sms) >= WAVE_FILL:
+                return candidate
     return rows
 
 
@@ -549,7 +581,8 @@ def linear_cross_entropy_fused(hidden, weight, target, *, bias=None, ignore_inde
     width = hidden.shape[-1]
     hidden2d, target1d = hidden.reshape(-1, width), target.reshape(-1)
     if chunk_rows is None:
-        chunk_rows = default_chunk_rows(hidden2d.shape[0], weight.shape[0], hidden.element_size())
+        sms = _sm_count(hidden.device) if hidden.is_cuda else None
+        chunk_rows = default_chunk_rows(hidden2d.shape[0], weight.shape[0], hidden.element_size(), width, sms)
     loss = LinearCrossEntropyFunction.apply(hidden2d, weight, bias, target1d, int(ignore_index), float(z_loss),
                                             reduction, chunk_rows, row_config)
     return loss.view(target.shape) if reduction == "none" else loss
