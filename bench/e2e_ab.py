@@ -12,8 +12,9 @@ own bench is settled here, in the step, beside the baseline and the default vari
   GEMMs; more memory).
 - --head-chunk-rows N: the fused head's chunks of N token rows each (the last one the rest), whatever their
   bytes: e.g. rows whose grad_hidden GEMM fills whole waves of output tiles (at 124M a 4736-row chunk's
-  4736 x 768 output is about 111 tiles of 256 x 128 for 132 SMs, and the chunks' grad_hidden GEMMs took
-  3.54 ms a step against the unchunked baseline's ~2.85; results/sm90/e2e_gemm_launches_f0cb7f6.json).
+  4736 x 768 output is 114 tiles of 256 x 128 for 132 SMs, and the chunks' grad_hidden GEMMs took 3.54 ms a
+  step against the unchunked baseline's ~2.85; results/sm90/e2e_gemm_launches_f0cb7f6.json). 11008 rows won
+  (results/e2e_ab_head_rows_dfdafa8.json) and is what cross_entropy.default_chunk_rows now picks there.
 Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
 
     PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
