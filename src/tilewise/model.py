@@ -10,10 +10,8 @@ residual once and writes the normed activations and the new residual once:
 The linears that end a branch (attention's proj, the MLP's down) have no bias of their own: the norm that
 adds their output holds it (Norm.input_bias) and the kernel adds it before the dropout. The model is GPT-2's,
 and the bias's gradient, the column sums of the kernel's dx, comes out of the kernel's backward pass over dx
-instead of a pass of its own (the MLP's up bias goes into the GELU the same way; the QKV projection's, added
-by its GEMM, gets its gradient from the attention backward's tiles: ops.flash_attention_qkv(bias=)). Block
-i's MLP bias is therefore block i + 1's norm1.input_bias (the final norm's for the last block):
-branch_bias_names.
+instead of a pass of its own (the MLP's up bias goes into the GELU the same way). Block i's MLP bias is
+therefore block i + 1's norm1.input_bias (the final norm's for the last block): branch_bias_names.
 """
 from __future__ import annotations
 
@@ -27,12 +25,10 @@ from .config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul is tilewise.ops.linear; tilewise.fp8 swaps these for Fp8Linear. bias_grad=False
-    adds the bias without giving it a gradient: the op the output feeds gives it instead."""
+    """nn.Linear whose matmul is tilewise.ops.linear; tilewise.fp8 swaps these for Fp8Linear."""
 
-    def forward(self, x, bias_grad: bool = True):
-        bias = self.bias if bias_grad or self.bias is None else self.bias.detach()
-        return ops.linear(x, self.weight, bias)
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
 
 
 class Norm(nn.Module):
@@ -86,13 +82,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None, cache: KVCache | None = None):
         B, T, _ = x.shape
-        fused = self.kind == "flash" and rope is None and cache is None   # one gradient for qkv, no concatenation
-        # there the bf16 projection's bias gets its gradient from the attention backward's tiles
-        bias = self.qkv.bias if fused and isinstance(self.qkv, Linear) else None
-        qkv = (self.qkv(x, bias_grad=False) if bias is not None else self.qkv(x)).view(
-            B, T, self.n_head + 2 * self.n_kv, self.head_dim)
-        if fused:
-            return self.proj(ops.flash_attention_qkv(qkv, self.n_kv, causal=True, bias=bias).reshape(B, T, -1))
+        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv, self.head_dim)
+        if self.kind == "flash" and rope is None and cache is None:   # one gradient for qkv, no concatenation
+            return self.proj(ops.flash_attention_qkv(qkv, self.n_kv, causal=True).reshape(B, T, -1))
         q, k, v = qkv.split([self.n_head, self.n_kv, self.n_kv], dim=2)  # strided views, no copy
         if rope is not None:
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)

@@ -255,48 +255,6 @@ def test_qkv_entry_point_matches_split_views(path, hq, hkv, packed, device, tma)
         flash_attention_qkv(qkv, hq + 2 * hkv)   # no head left for q
 
 
-@pytest.mark.parametrize("path", ["ptr", "tma"])
-@pytest.mark.parametrize("hq,hkv,packed", [(4, 2, False), (2, 2, True), (3, 1, False)])
-def test_qkv_bias_gradient_from_the_kernels_tiles(path, hq, hkv, packed, device, tma, monkeypatch):
-    """flash_attention_qkv(bias=) gives the bias the column sums of qkv's gradient over every token (ragged
-    lengths, packed sequences, GQA) from the Triton backward kernels' tiles: the pass the Gluon path takes
-    after its kernels (column_sums) is never called. Against the float64 sums of the gradient it wrote
-    (the tiles sum before the gradient's bf16 rounding); the qkv gradient is the bias-free call's, bitwise."""
-    tma(path)
-    monkeypatch.setattr(attn, "column_sums", lambda *a: pytest.fail("column_sums called on the Triton path"))
-    cu = torch.tensor([0, 20, 21, 54], dtype=torch.int32, device=device) if packed else None
-    shape = (54, hq + 2 * hkv, 32) if packed else (2, 37, hq + 2 * hkv, 32)
-    features = (hq + 2 * hkv) * 32
-    qkv = _rand(*shape, dtype=torch.bfloat16, device=device)
-    dout = torch.randn(*shape[:-2], hq, 32, device=device)
-    bias = torch.randn(features, device=device, requires_grad=True)
-    with ops.use("triton"):
-        got = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True, cu_seqlens=cu, bias=bias), (qkv,), dout)[0]
-        want = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True, cu_seqlens=cu), (qkv,), dout)[0]
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    dqkv = got[1].double().reshape(-1, features)
-    assert bias.grad.dtype == torch.float32
-    # each column within a bf16 rounding of its entries' sizes; a missing or doubled tile is far outside
-    assert ((bias.grad.double() - dqkv.sum(0)).abs() <= 4e-3 * dqkv.abs().sum(0) + 1e-6).all()
-    assert (dqkv.abs().sum(0) > 0).all()   # every column has a gradient to sum
-    bias.grad = None
-    with ops.use("reference"):   # the reference's bias gradient: the same column sums
-        got = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True, cu_seqlens=cu, bias=bias), (qkv,), dout)[0]
-    assert torch.allclose(bias.grad.double(), got[1].double().reshape(-1, features).sum(0), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="bias must be"):
-        flash_attention_qkv(qkv, hkv, cu_seqlens=cu, bias=bias[1:])
-
-
-def test_token_matrix_is_the_fused_gradient():
-    """What the Gluon path sums for the bias: the (tokens, features) matrix of the gradient whose q split is
-    given, for the padded and the packed layouts."""
-    for shape in ((2, 5, 7, 4), (9, 7, 4)):
-        dqkv = torch.randn(*shape)
-        dq = dqkv.split([3, 2, 2], dim=-2)[0]
-        assert torch.equal(attn._token_matrix(dq, 28), dqkv.reshape(-1, 28))
-
-
 def test_autograd_function_matches_the_custom_op(device, tma):
     """Eager flash_attention (FlashAttnFunction.apply, no op dispatch) and the registered custom op with its
     autograd formula (what torch.compile traces) are the same computation."""
@@ -701,26 +659,21 @@ def test_gpu_gluon_kernels_take_the_calls_they_cover(tma, calls_taken):
 def test_gpu_gluon_backward_writes_the_fused_qkv_gradient(head_dim, hq, hkv, tma):
     """flash_attention_qkv's backward writes dQ, dK, dV through the Gluon kernels straight into views of one
     qkv gradient: bitwise what the split views' three gradients give (the Gluon backward has no atomics),
-    and close to the float64 reference. A bias gets the gradient's column sums, whichever backward the
-    race took (after the Gluon kernels by column_sums, from the Triton kernels' tiles)."""
+    and close to the float64 reference."""
     from tilewise.ops import attention_sm90_bwd
     if not attention_sm90_bwd.available("cuda"):
         pytest.skip(f"no Gluon backward here ({attention_sm90_bwd._GLUON_ERROR})")
     tma("gluon")
     qkv_ = _rand(2, 1000, hq + 2 * hkv, head_dim, dtype=torch.bfloat16, device="cuda")
     dout = torch.randn(2, 1000, hq, head_dim, device="cuda")
-    features = (hq + 2 * hkv) * head_dim
-    bias = torch.zeros(features, device="cuda", requires_grad=True)
     with ops.use("triton"):
-        got, _ = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True, bias=bias), (qkv_,), dout)
+        got, _ = _grads(lambda t: flash_attention_qkv(t, hkv, causal=True), (qkv_,), dout)
         want, _ = _grads(lambda t: flash_attention(*t.split([hq, hkv, hkv], dim=-2), causal=True), (qkv_,), dout)
     ref, _ = _grads(lambda t: _dense_attention(*t.split([hq, hkv, hkv], dim=-2), True, head_dim ** -0.5, None),
                     (qkv_.double(),), dout)
     for a, b, r in zip(got, want, ref):
         assert torch.equal(a, b)
         assert _rel(a, r) < 0.02, _rel(a, r)
-    sums = got[1].double().reshape(-1, features).sum(0)
-    assert torch.allclose(bias.grad.double(), sums, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -81,9 +81,7 @@ import triton.testing
 
 from . import attention_sm90, attention_sm90_bwd
 from .dispatch import INTERPRET as _INTERPRET, use_triton
-from .fp8_cast import column_sums
 from .launch import FastLauncher
-from .norm import sum_partials
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -517,33 +515,17 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, l_base, LSE2, DELTA, desc_q, des
     return dk, dv
 
 
-# Rows of the bias gradient's partial sums (_store_column_sums): one per DB_ROWS tokens of a sequence, the
-# smallest block any backward config takes, so that a row belongs to one tile whatever the configs.
-_DB_ROWS = 16
-DB_ROWS = tl.constexpr(_DB_ROWS)
-
-
 @triton.jit
-def _store_column_sums(DB, x, b, row0, rows, n_rows, cols, col0, db_stride, db_rows, HEAD_DIM: tl.constexpr):
-    """The column sums of tile x (rows past n_rows left out, in float32) into the partial row of sequence b's
-    rows from row0: row b * db_rows + row0 / DB_ROWS of DB (db_stride floats a row), columns col0 on."""
-    sums = tl.sum(tl.where((rows < n_rows)[:, None], x, 0.0), axis=0)
-    row = b.to(tl.int64) * db_rows + row0 // DB_ROWS
-    tl.store(DB + row * db_stride + col0 + cols, sums, mask=cols < HEAD_DIM)
-
-
-@triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, DB, desc_q, desc_k, desc_v, desc_do,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-                   sgb, sgs, sgh, slb, slh, db_stride, db_rows,
+                   sgb, sgs, sgh, slb, slh,
                    seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                    HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr, GQA: tl.constexpr,
-                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, HAS_DB: tl.constexpr,
+                   DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (key blocks, kv heads, batch); dK and dV are written (contiguous, strides sg*). Early key
-    blocks are seen by the most causal queries: they go first (_key_program). HAS_DB: the tile's column
-    sums of dK and dV also go to DB (_store_column_sums)."""
+    blocks are seen by the most causal queries: they go first (_key_program)."""
     n0, hk, b, start, sq, sk = _key_program(CU, seqlen_q, seqlen_k, b0, HAS_RIGHT, VARLEN, BLOCK_N)
     if n0 >= sk:
         return
@@ -588,12 +570,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, DELTA, CU, DB, desc_q, desc_k, des
     g_off = b64 * sgb + start64 * sgs + hk64 * sgh + offs_n.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(DK + g_off, _cast(dk, DK.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
     _store_tile(DV + g_off, _cast(dv, DV.dtype.element_ty, EMU_BF16), offs_n, sk, offs_d, HEAD_DIM)
-    if HAS_DB:   # the fused QKV gradient's columns: q heads (group x kv heads), then the k heads, then the v heads
-        heads_kv = tl.num_programs(1)
-        _store_column_sums(DB, dk, b, n0, offs_n, sk, offs_d, (group * heads_kv + hk) * HEAD_DIM, db_stride, db_rows,
-                           HEAD_DIM)
-        _store_column_sums(DB, dv, b, n0, offs_n, sk, offs_d, ((group + 1) * heads_kv + hk) * HEAD_DIM, db_stride,
-                           db_rows, HEAD_DIM)
 
 
 @triton.jit
@@ -626,16 +602,14 @@ def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, desc_k, desc_v, k_row, kv
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, DB, desc_q, desc_k, desc_v, desc_do,
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, desc_q, desc_k, desc_v, desc_do,
                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sgb, sgs, sgh, slb, slh,
-                 db_stride, db_rows,
                  seqlen_q, seqlen_k, rows_q, rows_k, group, qk_scale, softmax_scale, left, right, b0,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-                 DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr, HAS_DB: tl.constexpr,
+                 DOT_PREC: tl.constexpr, EMU_BF16: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*);
-    HAS_DB: its column sums also go to DB (_store_column_sums)."""
+    """Grid (query blocks, heads, batch), latest query blocks first; dQ is written (contiguous, strides sg*)."""
     m0, h, hk, b, start, sq, sk = _query_program(CU, seqlen_q, seqlen_k, group, b0, HAS_RIGHT, VARLEN, BLOCK_M)
     if m0 >= sq:
         return
@@ -678,8 +652,6 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE2, DELTA, CU, DB, desc_q, desc_k, desc_v, d
     dq = dq * softmax_scale
     g_ptrs = DQ + b64 * sgb + start64 * sgs + h64 * sgh + offs_m.to(tl.int64)[:, None] * sgs + offs_d[None, :]
     _store_tile(g_ptrs, _cast(dq, DQ.dtype.element_ty, EMU_BF16), offs_m, sq, offs_d, HEAD_DIM)
-    if HAS_DB:
-        _store_column_sums(DB, dq, b, m0, offs_m, sq, offs_d, h * HEAD_DIM, db_stride, db_rows, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1242,15 +1214,12 @@ def _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, tota
     return lse2, delta
 
 
-def _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads, bias_part=None):
+def _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads):
     """_forward_signature's counterpart for a padded-batch backward: every tensor's shape, strides, dtype and
-    16-byte alignment (the gradients' and the bias partials' too when they are given), the mask, the scale,
-    the TMA switch."""
-    tensors = (dout, q, k, v, out, lse) + ((dlse,) if dlse is not None else ()) + (grads or ()) + (
-        (bias_part,) if bias_part is not None else ())
+    16-byte alignment (the gradients' too when they are given views), the mask, the scale, the TMA switch."""
+    tensors = (dout, q, k, v, out, lse) + ((dlse,) if dlse is not None else ()) + (grads or ())
     return (tuple((t.shape, t.stride(), t.dtype, t.data_ptr() & 15) for t in tensors), dlse is None,
-            grads is None, bias_part is None, q.device, softmax_scale, left, right,
-            os.environ.get("TILEWISE_ATTN_TMA"))
+            grads is None, q.device, softmax_scale, left, right, os.environ.get("TILEWISE_ATTN_TMA"))
 
 
 def _backward_plan(record, dout_in, lse_in, dlse_in):
@@ -1277,7 +1246,7 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
     (dkdv, dkdv_grid, dkdv_scalars, bm1, bn1), (dq_launch, dq_grid, dq_scalars, bm2, bn2) = launches
     tma1, tma2 = kernels[0][2], kernels[1][2]
 
-    def backward(dout, q, k, v, out, lse, dlse, grads, bias_part):
+    def backward(dout, q, k, v, out, lse, dlse, grads):
         dq, dk, dv = (_new(t.shape, t.dtype, t.device) for t in (q, k, v)) if grads is None else grads
         if dout_copied:
             dout = dout.contiguous()
@@ -1288,64 +1257,40 @@ def _backward_plan(record, dout_in, lse_in, dlse_in):
         prep_direct(prep_grid, out, dout, dlse_arg, lse, lse2, delta, None, *prep_scalars)
         if dout_recopied:
             dout = dout.contiguous()
-        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None, bias_part,
+        dkdv(dkdv_grid, q, k, v, dout, dk, dv, lse2, delta, None,
              *_tile_descriptors(tma1, False, bm1, bn1, q, k, v, dout), *dkdv_scalars)
-        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None, bias_part,
+        dq_launch(dq_grid, q, k, v, dout, dq, lse2, delta, None,
                   *_tile_descriptors(tma2, False, bm2, bn2, q, k, v, dout), *dq_scalars)
         return dq, dk, dv
     return backward
 
 
 def _attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                   grads=None, bias_grad=None):
+                   grads=None):
     """dQ, dK, dV in the input dtype: contiguous, or written into `grads`, three views of one gradient (the
     fused-QKV entry; dK and dV share their strides). From the Gluon backward where it covers the call and wins
-    (_gluon_wins), else from the Triton one. bias_grad (with grads only): a float32 (features,) tensor that
-    gets the column sums of that gradient as a (tokens, features) matrix (the fused-QKV entry's bias
-    gradient): from the Triton kernels' tiles (bias_partials), or after the Gluon kernels by column_sums."""
+    (_gluon_wins), else from the Triton one."""
     if cu_seqlens is None and _gluon_backward_applies(q, k, v, dlse, softmax_scale, left, right, grads):
         def gluon():
             return attention_sm90_bwd.backward(dout, q, k, v, out, lse, causal=right == 0,
                                                softmax_scale=softmax_scale, grads=grads)
         if _gluon_wins("bwd", q, k, right, gluon, lambda: _triton_backward(
                 dout, q, k, v, out, lse, dlse, None, max_seqlen, softmax_scale, left, right, grads)):
-            dq, dk, dv = gluon()
-            if bias_grad is not None:
-                column_sums(_token_matrix(dq, bias_grad.shape[0]), bias_grad)
-            return dq, dk, dv
-    part = None if bias_grad is None else bias_partials(q, cu_seqlens, max_seqlen, bias_grad.shape[0])
-    grads = _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                             grads, part)
-    if part is not None:
-        sum_partials(part, part.shape[0], bias_grad)
-    return grads
-
-
-def bias_partials(q, cu_seqlens, max_seqlen, features):
-    """The zeroed float32 partial rows the Triton backward kernels store each tile's column sums of dQ, dK, dV
-    in (_store_column_sums): one row per DB_ROWS tokens of each sequence, `features` columns."""
-    batch = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    longest = q.shape[1] if cu_seqlens is None else max_seqlen
-    return torch.zeros(batch * _cdiv(max(longest, 1), _DB_ROWS), features, dtype=torch.float32, device=q.device)
-
-
-def _token_matrix(dq, features):
-    """The (tokens, features) matrix of the fused gradient whose first heads dq views (the fused-QKV entry's
-    split: dq at the gradient's offset, one token every `features` elements)."""
-    tokens = dq.numel() // (dq.shape[-2] * dq.shape[-1])
-    return dq.as_strided((tokens, features), (features, 1))
+            return gluon()
+    return _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
+                            grads)
 
 
 def _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale, left, right,
-                     grads=None, bias_part=None):
+                     grads=None):
     """_attn_backward on the Triton kernels. A padded batch's call signature seen before launches through its
-    plan (_backward_plan), as the forward does. bias_part: bias_partials' rows, which the kernels fill."""
+    plan (_backward_plan), as the forward does."""
     sig = None
     if cu_seqlens is None:
-        sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads, bias_part)
+        sig = _backward_signature(dout, q, k, v, out, lse, dlse, softmax_scale, left, right, grads)
         plan = _DQ.plans.get(sig)
         if plan:
-            return plan(dout, q, k, v, out, lse, dlse, grads, bias_part)
+            return plan(dout, q, k, v, out, lse, dlse, grads)
     dout_in = dout
     packed, batch, seqlen_q, seqlen_k, max_q, max_k, heads, kv_heads, head_dim = _common(q, k, cu_seqlens,
                                                                                           max_seqlen)
@@ -1362,8 +1307,6 @@ def _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, soft
     lse_strides = _lse_strides(heads, seqlen_q, total, packed)
     consts = _flags(q, left, right)
     consts["VARLEN"] = packed
-    consts["HAS_DB"] = bias_part is not None
-    db_scalars = (bias_part.shape[1], _cdiv(max(max_q, 1), _DB_ROWS)) if bias_part is not None else (0, 0)
     record = [] if sig is not None else None
     lse2, delta = _backward_prep(dout, out, lse, dlse, cu, batch, seqlen_q, max_q, heads, total, record)
 
@@ -1382,17 +1325,17 @@ def _triton_backward(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, soft
     def descs(bm, bn, use_tma):
         return _tile_descriptors(use_tma, packed, bm, bn, q, k, v, dout)
 
-    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *db_scalars, *tail)
+    dkdv_scalars = (*strides, *_seq_strides(dk, packed), *lse_strides, *tail)
     dkdv_consts = {**consts, "GQA": group > 1}
     dkdv_key = (bucket, q.dtype, *dkdv_consts.values())
     dkdv_grid = lambda bm, bn, nb: (_cdiv(max_k, bn), kv_heads, nb)  # noqa: E731
-    dkdv_tensors = (q, k, v, dout, dk, dv, lse2, delta, cu, bias_part)
+    dkdv_tensors = (q, k, v, dout, dk, dv, lse2, delta, cu)
     dkdv_args = lambda bm, bn, use_tma, b0: (*dkdv_tensors, *descs(bm, bn, use_tma), *dkdv_scalars, b0)  # noqa: E731
     dkdv_tma = _run(_DKDV, tma, dkdv_key, batch, dkdv_grid, dkdv_args, dkdv_consts)
-    dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *db_scalars, *tail)
+    dq_scalars = (*strides, *_seq_strides(dq, packed), *lse_strides, *tail)
     dq_key = (bucket, q.dtype, *consts.values())
     dq_grid = lambda bm, bn, nb: (_cdiv(max_q, bm), heads, nb)  # noqa: E731
-    dq_tensors = (q, k, v, dout, dq, lse2, delta, cu, bias_part)
+    dq_tensors = (q, k, v, dout, dq, lse2, delta, cu)
     dq_args = lambda bm, bn, use_tma, b0: (*dq_tensors, *descs(bm, bn, use_tma), *dq_scalars, b0)  # noqa: E731
     dq_tma = _run(_DQ, tma, dq_key, batch, dq_grid, dq_args, consts)
     if sig is not None and sig not in _DQ.plans and batch <= _MAX_GRID_YZ and len(_DQ.plans) < _MAX_PLANS:
@@ -1472,17 +1415,14 @@ def _backward(ctx, dout, dlse, impl):
 class FlashAttnQKVFunction(torch.autograd.Function):
     """Flash attention on q, k, v split from one (..., heads_q + 2 * heads_kv, head_dim) tensor (a fused QKV
     projection). Its backward writes dQ, dK and dV into one gradient of that tensor, where three gradients of
-    split views would cost a concatenation (a read and a write of the whole gradient). `bias` (or None) is
-    the projection's bias, already in qkv: unused by the forward, its gradient (the column sums of that
-    gradient) comes from the backward kernels' tiles (_attn_backward's bias_grad)."""
+    split views would cost a concatenation (a read and a write of the whole gradient)."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, heads_kv, cu_seqlens, max_seqlen, softmax_scale, left, right):
+    def forward(ctx, qkv, heads_kv, cu_seqlens, max_seqlen, softmax_scale, left, right):
         q, k, v = _split_qkv(qkv, heads_kv)
         out, lse = _attn_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale, left, right)
         ctx.save_for_backward(qkv, out, lse, cu_seqlens)
         ctx.args = (heads_kv, max_seqlen, softmax_scale, left, right)
-        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -1493,30 +1433,9 @@ class FlashAttnQKVFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dqkv = _new(qkv.shape, qkv.dtype, qkv.device)
-        features = qkv.shape[-2] * qkv.shape[-1]
-        dbias = None
-        if ctx.needs_input_grad[1]:
-            dbias = torch.empty(features, dtype=torch.float32, device=qkv.device)
         _attn_backward(dout, *_split_qkv(qkv, heads_kv), out, lse, dlse, cu_seqlens, max_seqlen, softmax_scale,
-                       left, right, grads=_split_qkv(dqkv, heads_kv), bias_grad=dbias)
-        if dbias is not None:
-            dbias = dbias.to(ctx.bias_dtype)
-        return dqkv, dbias, None, None, None, None, None, None
-
-
-class _BiasGradOfQKV(torch.autograd.Function):
-    """qkv itself, giving `bias` (already in qkv) the column sums of qkv's gradient: flash_attention_qkv's
-    bias on the paths that are not FlashAttnQKVFunction (the reference, torch.compile)."""
-
-    @staticmethod
-    def forward(ctx, qkv, bias):
-        ctx.bias_dtype = bias.dtype
-        return qkv.view_as(qkv)
-
-    @staticmethod
-    def backward(ctx, grad):
-        features = grad.shape[-2] * grad.shape[-1]
-        return grad, grad.reshape(-1, features).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                       left, right, grads=_split_qkv(dqkv, heads_kv))
+        return dqkv, None, None, None, None, None, None
 
 
 def _split_qkv(qkv, heads_kv):
@@ -1584,15 +1503,10 @@ def check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="fl
 
 
 def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, window=None, cu_seqlens=None,
-                        max_seqlen=None, return_lse=False, bias=None):
+                        max_seqlen=None, return_lse=False):
     """flash_attention(q, k, v) for q, k, v = qkv.split([heads_q, heads_kv, heads_kv], dim=-2): qkv is
     (batch, seqlen, heads_q + 2 * heads_kv, head_dim), or (total_tokens, ...) with cu_seqlens. The gradient
-    reaches qkv as one tensor (see FlashAttnQKVFunction); the other options are flash_attention's.
-
-    bias: the projection's bias ((heads_q + 2 * heads_kv) * head_dim,), already added into qkv by its GEMM,
-    whose gradient this op then gives: the column sums of qkv's gradient, which the Triton backward kernels
-    take from their tiles as they write it (no pass over it of its own). The projection must not also give
-    it (the model calls its Linear with bias_grad=False)."""
+    reaches qkv as one tensor (see FlashAttnQKVFunction); the other options are flash_attention's."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() not in (3, 4):
         raise ValueError(f"flash_attention_qkv: qkv must be a 4-d (batch, seqlen, heads, head_dim) or packed 3-d "
                          f"tensor, got {getattr(qkv, 'shape', type(qkv).__name__)}")
@@ -1602,19 +1516,13 @@ def flash_attention_qkv(qkv, heads_kv, *, causal=False, softmax_scale=None, wind
                          f"(heads_q + 2 * heads_kv, heads_q >= 1)")
     q, k, v = _split_qkv(qkv, heads_kv)
     check_attention_args(q, k, v, causal, window, cu_seqlens, max_seqlen, fn="flash_attention_qkv")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (heads * qkv.shape[-1],)
-                             or bias.device != qkv.device):
-        raise ValueError(f"flash_attention_qkv: bias must be a ({heads * qkv.shape[-1]},) tensor on {qkv.device}, "
-                         f"got {tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
     if not (use_triton(qkv) and qkv.dtype != torch.float64) or torch.compiler.is_compiling():
         # the reference, or the custom op under torch.compile (which plans the gradient's layout itself)
-        if bias is not None:
-            q, k, v = _split_qkv(_BiasGradOfQKV.apply(qkv, bias), heads_kv)
         return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, return_lse=return_lse)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(qkv.shape[-1])
-    out, lse = FlashAttnQKVFunction.apply(qkv, bias, heads_kv,
+    out, lse = FlashAttnQKVFunction.apply(qkv, heads_kv,
                                           *_kernel_options(causal, softmax_scale, window, cu_seqlens, max_seqlen))
     return (out, lse) if return_lse else out
 

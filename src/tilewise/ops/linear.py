@@ -7,7 +7,10 @@ MasterWeightLinear casts the same way but has the GEMM write dW = dy^T @ x itsel
 accumulates in fp32 anyway) and in the weight's own layout, so autograd takes it as the gradient with no
 copy; dW is also no longer rounded to bf16 on the way. The bias gradient, the column sums of dy, comes from
 the FP8 cast's column-sum kernel (fp32 partial rows, then one small reduction): 1781-3036 GB/s against
-torch.sum's 1069-2903 at the e2e shapes (bench/linear.py, 9bb389e).
+torch.sum's 1069-2903 at the e2e shapes (bench/linear.py, 9bb389e). Tried and reverted: the QKV projection's
+bias gradient from the attention backward's tiles (each dK/dV and dQ tile's column sums, at 6b995f6). In the
+GPT-2 124M step on the H200 the 0.56 ms pass went, but the Triton backward kernels took 0.36 ms longer and the
+step was unchanged (58.77 against 58.73 ms; bench/results/e2e_qkv_bias_tiles_6b995f6.json).
 
 It runs where the Triton ops run (tilewise.ops' dispatch rule: CUDA tensors, or TILEWISE_OPS=triton);
 the reference is F.linear under autocast. The fp32-output GEMM is torch.mm(a, b, out_dtype) on CUDA where
