@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import use_triton
-from .launch import FastLauncher
+from .launch import FastLauncher, cdiv
 from .linear import fp32_out_mm_ok
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -296,16 +296,16 @@ def _mm_accumulate(acc, a, b, first):
 def _equal_rows(n_rows, chunks, most):
     """Rows per chunk of `chunks` equal chunks, in a multiple of 128 rows (cuBLAS tiles) where a chunk has
     that many, at most `most`."""
-    rows = -(-n_rows // chunks)
+    rows = cdiv(n_rows, chunks)
     if rows >= 128:
-        rows = min(most, -(-rows // 128) * 128) if most >= 128 else rows
+        rows = min(most, cdiv(rows, 128) * 128) if most >= 128 else rows
     return rows
 
 
 def wave_fill(rows, width, sms) -> float:
     """The share of its waves a (rows x width) GEMM output of GEMM_TILE tiles keeps busy on `sms` SMs."""
-    tiles = -(-rows // GEMM_TILE[0]) * -(-width // GEMM_TILE[1])
-    return tiles / (-(-tiles // sms) * sms)
+    tiles = cdiv(rows, GEMM_TILE[0]) * cdiv(width, GEMM_TILE[1])
+    return tiles / (cdiv(tiles, sms) * sms)
 
 
 def default_chunk_rows(n_rows, n_vocab, element_size, width=None, sms=None):
@@ -320,11 +320,11 @@ def default_chunk_rows(n_rows, n_vocab, element_size, width=None, sms=None):
     most = max(1, CHUNK_BYTES // row_bytes)
     if n_rows <= most:
         return max(1, n_rows)
-    chunks = -(-n_rows // most)
+    chunks = cdiv(n_rows, most)
     rows = _equal_rows(n_rows, chunks, most)
     if width and sms and wave_fill(rows, width, sms) < WAVE_FILL:
         largest = max(1, CHUNK_BYTES_MAX // row_bytes)
-        for fewer in range(-(-n_rows // largest), chunks):
+        for fewer in range(cdiv(n_rows, largest), chunks):
             candidate = _equal_rows(n_rows, fewer, largest)
             if wave_fill(candidate, width, sms) >= WAVE_FILL:
                 return candidate
