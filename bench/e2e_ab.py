@@ -15,6 +15,11 @@ own bench is settled here, in the step, beside the baseline and the default vari
   4736 x 768 output is 114 tiles of 256 x 128 for 132 SMs, and the chunks' grad_hidden GEMMs took 3.54 ms a
   step against the unchunked baseline's ~2.85; results/sm90/e2e_gemm_launches_f0cb7f6.json). 11008 rows won
   (results/e2e_ab_head_rows_dfdafa8.json) and is what cross_entropy.default_chunk_rows now picks there.
+- --gemm-epilogues mlp|bias|both: cuBLASLt's fused epilogues (ops/cublaslt.py), off by default until this
+  settles them: mlp turns on ops.mlp.CUBLASLT_MLP (the GELU MLP's bias + GELU inside its first GEMM, GELU's
+  backward inside its data-gradient GEMM, its bias gradient inside its weight-gradient GEMM), bias turns on
+  ops.linear.CUBLASLT_BIAS_GRAD (every other biased linear's bias gradient from its weight-gradient GEMM
+  instead of column_sums' pass; at the e2e shapes the QKV projection's), both both.
 Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
 
     PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
@@ -57,15 +62,18 @@ def main() -> int:
     p.add_argument("--attn-bwd", choices=("atomic",), help="the bf16 attention backward's dQ mode")
     p.add_argument("--head-chunk-mb", type=int, help="the fused head's logits chunk in MiB")
     p.add_argument("--head-chunk-rows", type=int, help="the fused head's chunk in token rows")
+    p.add_argument("--gemm-epilogues", choices=("mlp", "bias", "both"), help="cuBLASLt's fused epilogues on")
     args, rest = p.parse_known_args()
-    given = [name for name in ("attn_bwd", "head_chunk_mb", "head_chunk_rows") if getattr(args, name) is not None]
+    names = ("attn_bwd", "head_chunk_mb", "head_chunk_rows", "gemm_epilogues")
+    given = [name for name in names if getattr(args, name) is not None]
     if len(given) != 1:
-        print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows", file=sys.stderr)
+        print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
+              "--gemm-epilogues", file=sys.stderr)
         return 2
     name = given[0]
     value = getattr(args, name)
     flag = f"--{name.replace('_', '-')} {value}"
-    if name != "attn_bwd" and value < 1:
+    if name in ("head_chunk_mb", "head_chunk_rows") and value < 1:
         print(f"bench/e2e_ab.py: {flag.replace(' ', '=')}; expected >= 1", file=sys.stderr)
         return 2
     setting = {name: value}
@@ -73,6 +81,9 @@ def main() -> int:
     if name == "attn_bwd":
         atomic_backward()
         setting["configs"] = {str(d): list(c) for d, c in ATOMIC_CONFIGS.items()}
+    elif name == "gemm_epilogues":
+        importlib.import_module("tilewise.ops.mlp").CUBLASLT_MLP = value in ("mlp", "both")
+        importlib.import_module("tilewise.ops.linear").CUBLASLT_BIAS_GRAD = value in ("bias", "both")
     elif name == "head_chunk_mb":
         cross_entropy.CHUNK_BYTES = value << 20
     else:

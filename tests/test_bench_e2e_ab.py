@@ -45,7 +45,8 @@ def _refusal(monkeypatch, capsys, *argv):
 
 def test_bad_arguments_are_named(monkeypatch, capsys):
     assert _refusal(monkeypatch, capsys) == (
-        2, "bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows\n")
+        2, "bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
+           "--gemm-epilogues\n")
     code, err = _refusal(monkeypatch, capsys, "--attn-bwd", "atomic", "--head-chunk-mb", "64")
     assert code == 2 and "exactly one" in err
     assert _refusal(monkeypatch, capsys, "--head-chunk-mb", "0") == (
@@ -100,3 +101,15 @@ def test_head_chunk_rows_setting(monkeypatch, tmp_path):
     assert rows == [5632, 100]   # a shorter input is one chunk
     assert result["setting"] == {"head_chunk_rows": 5632}
     assert result["command"] == "PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-rows 5632 --quick --out DIR"
+
+
+@pytest.mark.parametrize("value, mlp_on, bias_on", [("mlp", True, False), ("bias", False, True), ("both", True, True)])
+def test_gemm_epilogues_setting(monkeypatch, tmp_path, value, mlp_on, bias_on):
+    mlp = importlib.import_module("tilewise.ops.mlp")
+    linear = importlib.import_module("tilewise.ops.linear")
+    monkeypatch.setattr(mlp, "CUBLASLT_MLP", False)   # restored after the test
+    monkeypatch.setattr(linear, "CUBLASLT_BIAS_GRAD", False)
+    seen, result = _result_of(monkeypatch, tmp_path, ["--gemm-epilogues", value, "--quick"],
+                              lambda: (mlp.CUBLASLT_MLP, linear.CUBLASLT_BIAS_GRAD), quick=True, configs="", fp8=[])
+    assert seen == (mlp_on, bias_on) and result["setting"] == {"gemm_epilogues": value}
+    assert result["command"] == f"PYTHONPATH=src python3 bench/e2e_ab.py --gemm-epilogues {value} --quick --out DIR"

@@ -112,11 +112,14 @@ class MLP(nn.Module):
         self.down = Linear(cfg.ff_dim, cfg.d_model, bias=False)   # its bias: the next norm's input_bias
 
     def forward(self, x):
-        h = self.up(x)
         if self.kind == "swiglu":
-            return self.down(ops.swiglu(h))
+            return self.down(ops.swiglu(self.up(x)))
         after_gelu = getattr(self.down, "after_gelu", None)   # an Fp8Linear: the GELU inside its FP8 input cast
-        return after_gelu(h, self.up_bias) if after_gelu else self.down(ops.bias_gelu(h, self.up_bias))
+        if after_gelu:
+            return after_gelu(self.up(x), self.up_bias)
+        if isinstance(self.up, Linear) and isinstance(self.down, Linear):   # the GELU inside the GEMMs
+            return ops.gelu_mlp(x, self.up.weight, self.up_bias, self.down.weight)
+        return self.down(ops.bias_gelu(self.up(x), self.up_bias))
 
 
 class Block(nn.Module):

@@ -167,3 +167,36 @@ def test_kept_low_weight_is_rewritten_by_adamw_and_dropped_when_stale(monkeypatc
         y = ops.linear(x, w)
     assert torch.equal(y, F.linear(x, w.detach().to(torch.bfloat16)))
     assert w._tilewise_low[0] is not kept           # and the fresh cast is kept in its place
+
+
+def test_bias_gradient_from_the_weight_gradient_gemm(monkeypatch):
+    """CUBLASLT_BIAS_GRAD on (cublaslt's wgrad with the bias gradient; its torch-op reference on the CPU):
+    the same dW and db as column_sums' path, and column_sums is not called."""
+    import sys
+    lin = sys.modules["tilewise.ops.linear"]
+    from tilewise.ops import cublaslt
+    x, w, b, dy = make((3, 37, 96), 80)
+    _, (dx_ref, dw_ref, db_ref) = run(ops.linear, x, w, b, dy)
+    monkeypatch.setattr(lin, "CUBLASLT_BIAS_GRAD", True)
+    monkeypatch.setattr(cublaslt, "available", lambda device: True)
+    taken = []
+    monkeypatch.setattr(cublaslt, "wgrad", lambda *a, _w=cublaslt.wgrad, **k: taken.append(k) or _w(*a, **k))
+    monkeypatch.setattr(lin, "column_sums", lambda *a: pytest.fail("column_sums ran"))
+    _, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+    assert taken == [{"bias_grad": True}]
+    assert torch.equal(dx, dx_ref) and dw.dtype == db.dtype == torch.float32 and dw.stride() == w.stride()
+    assert torch.allclose(dw, dw_ref, rtol=1e-5, atol=1e-5) and torch.allclose(db, db_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_bias_gradient_from_the_weight_gradient_gemm(monkeypatch):
+    """The same on the GPU at the 1.3B qkv shape, cuBLASLt's BGRADB itself (its reference made to fail)."""
+    import sys
+    lin = sys.modules["tilewise.ops.linear"]
+    from tilewise.ops import cublaslt
+    monkeypatch.setattr(lin, "CUBLASLT_BIAS_GRAD", True)
+    monkeypatch.setattr(cublaslt, "wgrad_reference", lambda *a: pytest.fail("the reference ran"))
+    x, w, b, dy = make((2, 2048, 2048), 6144, device="cuda", seed=4)
+    _, (_, dw, db) = run(ops.linear, x, w, b, dy)
+    _, _, dw64, db64 = reference(x, w, b, dy)
+    assert dw.dtype == db.dtype == torch.float32 and rel_err(dw, dw64) < 1e-4 and rel_err(db, db64) < 1e-4

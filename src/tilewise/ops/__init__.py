@@ -17,12 +17,13 @@ from .attention import flash_attention, flash_attention_qkv, sdpa_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .fp8_attention import fp8_flash_attention
 from .linear import linear
+from .mlp import gelu_mlp
 from .norm import add_dropout_norm
 from .rope import apply_rope, rope_cache
 
 __all__ = [
     "MODES", "mode", "use", "use_triton",
     "flash_attention", "flash_attention_qkv", "fp8_flash_attention", "sdpa_attention", "add_dropout_norm",
-    "bias_gelu", "swiglu",
+    "bias_gelu", "gelu_mlp", "swiglu",
     "cross_entropy", "linear_cross_entropy", "linear", "apply_rope", "rope_cache",
 ]

@@ -40,6 +40,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import cublaslt
 from .dispatch import use_triton
 from .fp8_cast import column_sums
 
@@ -78,6 +79,9 @@ def fp32_out_mm_ok(device, dtype) -> bool:
 
 
 KEEP_LOW_WEIGHTS = os.environ.get("TILEWISE_KEEP_LOW_WEIGHTS", "1") == "1"
+# The bias gradient from the weight gradient's GEMM (cuBLASLt's BGRADB epilogue) instead of column_sums' pass
+# over dy: off until the H200 step measures it (bench/e2e_ab.py --gemm-epilogues).
+CUBLASLT_BIAS_GRAD = False
 
 
 def _stamp(weight) -> tuple:
@@ -139,8 +143,13 @@ class MasterWeightLinear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (dy2 @ w_low).view(*dy.shape[:-1], w_low.shape[1]).to(ctx.x_dtype)
+        x2 = x_low.reshape(-1, x_low.shape[-1])
+        if (CUBLASLT_BIAS_GRAD and ctx.has_bias and all(ctx.needs_input_grad[1:3]) and dy2.shape[0] > 0
+                and cublaslt.available(dy2.device) and not torch.compiler.is_compiling()):
+            dw, db = cublaslt.wgrad(dy2.contiguous(), x2.contiguous(), bias_grad=True)
+            return dx, dw, db, None
         if ctx.needs_input_grad[1]:
-            dw = _mm_fp32(dy2.t(), x_low.reshape(-1, x_low.shape[-1]))
+            dw = _mm_fp32(dy2.t(), x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             if torch.compiler.is_compiling() or dy2.shape[0] == 0:   # torch.compile traces torch's sum, not a
                 db = dy2.sum(0, dtype=torch.float32)                   # launcher; column_sums needs rows
