@@ -20,6 +20,8 @@ own bench is settled here, in the step, beside the baseline and the default vari
   backward inside its data-gradient GEMM, its bias gradient inside its weight-gradient GEMM), bias turns on
   ops.linear.CUBLASLT_BIAS_GRAD (every other biased linear's bias gradient from its weight-gradient GEMM
   instead of column_sums' pass; at the e2e shapes the QKV projection's), both both.
+- --embedding triton: ops.embedding.TRITON_EMBEDDING on (the token + position rows in one pass, the table's
+  gradient as a sorted segment sum) instead of F.embedding, its add and torch's embedding backward.
 Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
 
     PYTHONPATH=src python3 bench/e2e_ab.py --out DIR --attn-bwd atomic [e2e.py's options]
@@ -63,12 +65,13 @@ def main() -> int:
     p.add_argument("--head-chunk-mb", type=int, help="the fused head's logits chunk in MiB")
     p.add_argument("--head-chunk-rows", type=int, help="the fused head's chunk in token rows")
     p.add_argument("--gemm-epilogues", choices=("mlp", "bias", "both"), help="cuBLASLt's fused epilogues on")
+    p.add_argument("--embedding", choices=("triton",), help="the Triton token + position embedding on")
     args, rest = p.parse_known_args()
-    names = ("attn_bwd", "head_chunk_mb", "head_chunk_rows", "gemm_epilogues")
+    names = ("attn_bwd", "head_chunk_mb", "head_chunk_rows", "gemm_epilogues", "embedding")
     given = [name for name in names if getattr(args, name) is not None]
     if len(given) != 1:
         print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
-              "--gemm-epilogues", file=sys.stderr)
+              "--gemm-epilogues, --embedding", file=sys.stderr)
         return 2
     name = given[0]
     value = getattr(args, name)
@@ -84,6 +87,8 @@ def main() -> int:
     elif name == "gemm_epilogues":
         importlib.import_module("tilewise.ops.mlp").CUBLASLT_MLP = value in ("mlp", "both")
         importlib.import_module("tilewise.ops.linear").CUBLASLT_BIAS_GRAD = value in ("bias", "both")
+    elif name == "embedding":
+        importlib.import_module("tilewise.ops.embedding").TRITON_EMBEDDING = True
     elif name == "head_chunk_mb":
         cross_entropy.CHUNK_BYTES = value << 20
     else:

@@ -52,3 +52,25 @@ def calls_taken(monkeypatch):
             return tuple(counts[kind] > before[kind] for kind in targets)
         return taken
     return make
+
+
+@pytest.fixture
+def tiny_gpt_step(monkeypatch):
+    """step(module, switch, on, autocast=False) -> (loss, {name: grad}) of one forward + backward of a small
+    GPT (two layers, seeded) on fixed tokens, in the Triton mode, with module.switch set to on: the same model
+    and tokens each call, so a test compares a switch's two settings."""
+    from tilewise import ops
+    from tilewise.config import ModelConfig
+    from tilewise.model import GPT
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=2, d_model=32)
+    model, idx = GPT(cfg), torch.randint(0, 96, (2, 16))
+
+    def step(module, switch, on, autocast=False):
+        monkeypatch.setattr(module, switch, on)
+        model.zero_grad(set_to_none=True)
+        with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return step

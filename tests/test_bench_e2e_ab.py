@@ -46,7 +46,7 @@ def _refusal(monkeypatch, capsys, *argv):
 def test_bad_arguments_are_named(monkeypatch, capsys):
     assert _refusal(monkeypatch, capsys) == (
         2, "bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
-           "--gemm-epilogues\n")
+           "--gemm-epilogues, --embedding\n")
     code, err = _refusal(monkeypatch, capsys, "--attn-bwd", "atomic", "--head-chunk-mb", "64")
     assert code == 2 and "exactly one" in err
     assert _refusal(monkeypatch, capsys, "--head-chunk-mb", "0") == (
@@ -113,3 +113,11 @@ def test_gemm_epilogues_setting(monkeypatch, tmp_path, value, mlp_on, bias_on):
                               lambda: (mlp.CUBLASLT_MLP, linear.CUBLASLT_BIAS_GRAD), quick=True, configs="", fp8=[])
     assert seen == (mlp_on, bias_on) and result["setting"] == {"gemm_epilogues": value}
     assert result["command"] == f"PYTHONPATH=src python3 bench/e2e_ab.py --gemm-epilogues {value} --quick --out DIR"
+
+
+def test_embedding_setting(monkeypatch, tmp_path):
+    emb = importlib.import_module("tilewise.ops.embedding")
+    monkeypatch.setattr(emb, "TRITON_EMBEDDING", False)   # restored after the test
+    seen, result = _result_of(monkeypatch, tmp_path, ["--embedding", "triton", "--quick"],
+                              lambda: emb.TRITON_EMBEDDING, quick=True, configs="", fp8=[])
+    assert seen is True and result["setting"] == {"embedding": "triton"}

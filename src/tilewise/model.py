@@ -184,9 +184,7 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than the model's seq_len {self.cfg.seq_len}")
-        x = self.wte(idx)
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        x = ops.embedding(idx, self.wte.weight, None if self.wpe is None else self.wpe.weight, start)
         rope = None
         if self.cfg.pos == "rope":
             rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from tilewise import ops
-from tilewise.config import ModelConfig
-from tilewise.model import GPT
 from tilewise.ops import cublaslt
 from tilewise.ops.mlp import GeluMLP
 
@@ -136,27 +134,17 @@ def test_bad_shapes_name_the_argument(shapes, message):
         ops.gelu_mlp(x, w_up, b_up, w_down)
 
 
-def test_model_step_is_the_same_with_the_fused_mlp(monkeypatch):
+def test_model_step_is_the_same_with_the_fused_mlp(monkeypatch, tiny_gpt_step):
     """The GPT's loss and gradients with GeluMLP (on cublaslt's reference here) against the unfused chain."""
-    cfg = ModelConfig(vocab_size=96, seq_len=16, n_layer=2, n_head=2, d_model=32)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    idx = torch.randint(0, 96, (2, 16))
-
     def step(on):
-        monkeypatch.setattr(mlp, "CUBLASLT_MLP", on)
-        model.zero_grad(set_to_none=True)
-        with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, idx)
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        return tiny_gpt_step(mlp, "CUBLASLT_MLP", on, autocast=True)
 
     loss_chain, grads_chain = step(False)
     monkeypatch.setattr(cublaslt, "available", lambda device: True)
     calls = []
     monkeypatch.setattr(GeluMLP, "forward", staticmethod(lambda *a, _f=GeluMLP.forward: calls.append(1) or _f(*a)))
     loss_fused, grads_fused = step(True)
-    assert len(calls) == cfg.n_layer
+    assert len(calls) == 2   # one a layer
     assert abs(loss_fused.item() - loss_chain.item()) < 1e-2 * abs(loss_chain.item())
     for name, grad in grads_chain.items():
         assert grads_fused[name].dtype == grad.dtype, name

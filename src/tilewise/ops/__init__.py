@@ -15,6 +15,7 @@ from .dispatch import MODES, mode, use, use_triton
 from .activation import bias_gelu, swiglu
 from .attention import flash_attention, flash_attention_qkv, sdpa_attention
 from .cross_entropy import cross_entropy, linear_cross_entropy
+from .embedding import embedding
 from .fp8_attention import fp8_flash_attention
 from .linear import linear
 from .mlp import gelu_mlp
@@ -24,6 +25,6 @@ from .rope import apply_rope, rope_cache
 __all__ = [
     "MODES", "mode", "use", "use_triton",
     "flash_attention", "flash_attention_qkv", "fp8_flash_attention", "sdpa_attention", "add_dropout_norm",
-    "bias_gelu", "gelu_mlp", "swiglu",
+    "bias_gelu", "embedding", "gelu_mlp", "swiglu",
     "cross_entropy", "linear_cross_entropy", "linear", "apply_rope", "rope_cache",
 ]
