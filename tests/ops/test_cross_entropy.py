@@ -377,6 +377,24 @@ def test_linear_cross_entropy_backward_twice(device):
     assert torch.allclose(w.grad, -0.25 * first[1], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float16)],
+                         ids=str)
+def test_upstream_scale_kernel_matches_torch_mul(dtype, out_dtype, device):
+    """The backward's scaling by the upstream gradient: one fp32 product by the fp32 g, rounded once to
+    out_dtype, ragged lengths included (torch.mul of a bf16 tensor by a 0-dim fp32 one rounds g to bf16 first)."""
+    ce = importlib.import_module("tilewise.ops.cross_entropy")
+    gen = torch.Generator().manual_seed(16)
+    for n in (1, ce.TIMES_BLOCK + 3):
+        t = (100 * torch.randn(n, generator=gen)).to(device, dtype)
+        g = torch.tensor(-0.37, device=device)
+        with ops.use("triton"):
+            got = ce._times(t, g, out_dtype)
+        want = (t.float() * g).to(out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+    assert ce._times(None, g, out_dtype) is None
+
+
 def test_default_chunk_rows():
     assert default_chunk_rows(16384, 50304, 2) == 4096  # 412 MB of bf16 logits per chunk, 4 chunks
     assert default_chunk_rows(8192, 50304, 2) == 4096
