@@ -144,3 +144,47 @@ def test_model_step_is_the_same_with_the_kernels(tiny_gpt_step):
     assert torch.allclose(loss, loss_ref, rtol=1e-6)
     for name, grad in grads_ref.items():
         assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+_SM90_BUILD = r"""
+import importlib, json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+emb = importlib.import_module("tilewise.ops.embedding")
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+types = {"IDX": "*i64", "ORDER": "*i64", "OFFSETS": "*i64", "W": "*fp32", "P": "*fp32", "OUT": "*fp32",
+         "DX": "*fp32", "DW": "*fp32"}
+out = []
+for width in (768, 2048):
+    for fn, meta in ((emb._embed_fwd_kernel, dict(emb.forward_meta(width), HAS_POS=True)),
+                     (emb._embed_bwd_kernel, emb.backward_meta(width))):
+        warps = meta.pop("num_warps")
+        sig = {n: "constexpr" if n in meta else types.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=meta, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        out.append([fn.__name__, width, len(sass), sass.count("LDL") + sass.count("STL")])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_sm90_builds_do_not_spill():
+    """The launches at GPT-2 124M's and the 1.3B preset's widths, compiled for sm_90a ahead of time with
+    Triton's own ptxas (no GPU needed): no local loads or stores (register spills)."""
+    import json
+    import os
+    import subprocess
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no NVIDIA toolchain")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, width, sass, spills in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert sass > 500 and spills == 0, f"{name} at width {width}: {spills} local loads/stores"

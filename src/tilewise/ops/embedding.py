@@ -59,7 +59,7 @@ def _embed_bwd_kernel(DX, ORDER, OFFSETS, DW, vocab, width, ROWS: tl.constexpr, 
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < width
     lanes = tl.arange(0, RUN)
-    for r in tl.static_range(ROWS):
+    for r in range(ROWS):
         v = tl.program_id(0) * ROWS + r
         if v < vocab:
             begin = tl.load(OFFSETS + v)
@@ -75,21 +75,27 @@ def _embed_bwd_kernel(DX, ORDER, OFFSETS, DW, vocab, width, ROWS: tl.constexpr, 
             tl.store(DW + v.to(tl.int64) * width + cols, acc.to(DW.dtype.element_ty), mask=col_ok)
 
 
-def _block_d(width: int) -> tuple[int, int]:
+def forward_meta(width: int) -> dict:
+    """The forward kernel's constexprs and warps at this width: tiles of FWD_ELEMENTS, at most 32 a thread."""
     block = triton.next_power_of_2(width)
-    return block, max(1, min(8, block // 256))
+    return dict(ROWS=max(1, FWD_ELEMENTS // block), BLOCK_D=block, num_warps=max(1, min(8, block // 256)))
+
+
+def backward_meta(width: int) -> dict:
+    """The backward kernel's: steps of up to 16 rows over 8 warps (sm_90a builds without spills at widths 768
+    and 2048: 87 and 101 registers; tests/ops/test_embedding.py builds them)."""
+    block = triton.next_power_of_2(width)
+    return dict(ROWS=ROWS_PER_PROGRAM, RUN=min(16, max(1, BWD_ELEMENTS // block)), BLOCK_D=block, num_warps=8)
 
 
 def _forward(idx, weight, pos_weight, start):
     flat = idx.reshape(-1)
     out = torch.empty(*idx.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
     if flat.numel():
-        block, warps = _block_d(weight.shape[1])
-        rows = max(1, FWD_ELEMENTS // block)
-        _embed_fwd_kernel[(cdiv(flat.numel(), rows),)](
+        meta = forward_meta(weight.shape[1])
+        _embed_fwd_kernel[(cdiv(flat.numel(), meta["ROWS"]),)](
             flat, weight, weight if pos_weight is None else pos_weight, out, flat.numel(), idx.shape[-1], start,
-            weight.shape[0], weight.shape[1], HAS_POS=pos_weight is not None, ROWS=rows, BLOCK_D=block,
-            num_warps=warps)
+            weight.shape[0], weight.shape[1], HAS_POS=pos_weight is not None, **meta)
     return out
 
 
@@ -98,11 +104,8 @@ def _token_grad(dx2, idx_flat, vocab, dtype):
     dw = torch.empty(vocab, dx2.shape[1], dtype=dtype, device=dx2.device)
     sorted_ids, order = torch.sort(idx_flat, stable=True)
     offsets = torch.searchsorted(sorted_ids, torch.arange(vocab + 1, device=dx2.device, dtype=sorted_ids.dtype))
-    block, warps = _block_d(dx2.shape[1])
-    run = min(16, max(1, BWD_ELEMENTS // block))
     _embed_bwd_kernel[(cdiv(vocab, ROWS_PER_PROGRAM),)](dx2, order, offsets, dw, vocab, dx2.shape[1],
-                                                        ROWS=ROWS_PER_PROGRAM, RUN=run, BLOCK_D=block,
-                                                        num_warps=warps)
+                                                        **backward_meta(dx2.shape[1]))
     return dw
 
 
