@@ -15,11 +15,12 @@ own bench is settled here, in the step, beside the baseline and the default vari
   4736 x 768 output is 114 tiles of 256 x 128 for 132 SMs, and the chunks' grad_hidden GEMMs took 3.54 ms a
   step against the unchunked baseline's ~2.85; results/sm90/e2e_gemm_launches_f0cb7f6.json). 11008 rows won
   (results/e2e_ab_head_rows_dfdafa8.json) and is what cross_entropy.default_chunk_rows now picks there.
-- --gemm-epilogues mlp|bias|both: cuBLASLt's fused epilogues (ops/cublaslt.py), off by default until this
-  settles them: mlp turns on ops.mlp.CUBLASLT_MLP (the GELU MLP's bias + GELU inside its first GEMM, GELU's
-  backward inside its data-gradient GEMM, its bias gradient inside its weight-gradient GEMM), bias turns on
-  ops.linear.CUBLASLT_BIAS_GRAD (every other biased linear's bias gradient from its weight-gradient GEMM
-  instead of column_sums' pass; at the e2e shapes the QKV projection's), both both.
+- --cublaslt mlp|linear|all|tuned: cuBLASLt through ops/cublaslt.py, off by default until this settles it:
+  mlp turns on ops.mlp.CUBLASLT_MLP (the GELU MLP's bias + GELU inside its first GEMM, GELU's backward inside
+  its data-gradient GEMM, its bias gradient inside its weight-gradient GEMM); linear turns on cublaslt.GEMMS
+  (ops.linear's GEMMs and the fused head's there, a biased linear's bias gradient from its weight-gradient
+  GEMM instead of column_sums' pass: at the e2e shapes the QKV projection's); all both; tuned both and
+  cublaslt.TUNE (each GEMM's algorithm the fastest of the heuristic's first eight on its first call).
 - --embedding triton: ops.embedding.TRITON_EMBEDDING on (the token + position rows in one pass, the table's
   gradient as a sorted segment sum) instead of F.embedding, its add and torch's embedding backward.
 Writes e2e_ab.json into --out only (never e2e.json, the README's main table).
@@ -64,14 +65,14 @@ def main() -> int:
     p.add_argument("--attn-bwd", choices=("atomic",), help="the bf16 attention backward's dQ mode")
     p.add_argument("--head-chunk-mb", type=int, help="the fused head's logits chunk in MiB")
     p.add_argument("--head-chunk-rows", type=int, help="the fused head's chunk in token rows")
-    p.add_argument("--gemm-epilogues", choices=("mlp", "bias", "both"), help="cuBLASLt's fused epilogues on")
+    p.add_argument("--cublaslt", choices=("mlp", "linear", "all", "tuned"), help="GEMMs through ops.cublaslt")
     p.add_argument("--embedding", choices=("triton",), help="the Triton token + position embedding on")
     args, rest = p.parse_known_args()
-    names = ("attn_bwd", "head_chunk_mb", "head_chunk_rows", "gemm_epilogues", "embedding")
+    names = ("attn_bwd", "head_chunk_mb", "head_chunk_rows", "cublaslt", "embedding")
     given = [name for name in names if getattr(args, name) is not None]
     if len(given) != 1:
         print("bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
-              "--gemm-epilogues, --embedding", file=sys.stderr)
+              "--cublaslt, --embedding", file=sys.stderr)
         return 2
     name = given[0]
     value = getattr(args, name)
@@ -84,9 +85,11 @@ def main() -> int:
     if name == "attn_bwd":
         atomic_backward()
         setting["configs"] = {str(d): list(c) for d, c in ATOMIC_CONFIGS.items()}
-    elif name == "gemm_epilogues":
-        importlib.import_module("tilewise.ops.mlp").CUBLASLT_MLP = value in ("mlp", "both")
-        importlib.import_module("tilewise.ops.linear").CUBLASLT_BIAS_GRAD = value in ("bias", "both")
+    elif name == "cublaslt":
+        cublaslt = importlib.import_module("tilewise.ops.cublaslt")
+        importlib.import_module("tilewise.ops.mlp").CUBLASLT_MLP = value in ("mlp", "all", "tuned")
+        cublaslt.GEMMS = value in ("linear", "all", "tuned")
+        cublaslt.TUNE = value == "tuned"
     elif name == "embedding":
         importlib.import_module("tilewise.ops.embedding").TRITON_EMBEDDING = True
     elif name == "head_chunk_mb":

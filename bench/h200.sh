@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 session script: installs the peers' wheels (if carried in .whl/), then runs the named stages,
 # each writing its log and JSON into $OUT/results.tgz. Stages: tests, attention, fused, cross_entropy, fp8,
-# dataloader, checkpoint, e2e, e2e_ab, distributed, host_overhead, host_threads, multigpu, convergence, fp8_transpose_probe, attention_clocks, host_trace, adamw, fp8_attention_ablate, linear, mlp, embedding, attention_sm90, attention_sm90_bwd, fp8_attention_sm90, fp8_attention_sm90_bwd, attention_sm90_bwd_ablate, fp8_attention_sm90_bwd_probe, softmax_rows, attention_passes, train124m (Triton ops), train124m-ref (PyTorch reference ops).  Example: bash bench/h200.sh tests attention fused
+# dataloader, checkpoint, e2e, e2e_ab, distributed, host_overhead, host_threads, multigpu, convergence, fp8_transpose_probe, attention_clocks, host_trace, adamw, fp8_attention_ablate, linear, mlp, embedding, gemm_tune, attention_sm90, attention_sm90_bwd, fp8_attention_sm90, fp8_attention_sm90_bwd, attention_sm90_bwd_ablate, fp8_attention_sm90_bwd_probe, softmax_rows, attention_passes, train124m (Triton ops), train124m-ref (PyTorch reference ops).  Example: bash bench/h200.sh tests attention fused
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # snapshot.tgz (`git archive -o snapshot.tgz HEAD`, carried beside the tree): run that commit's files, not the
@@ -36,7 +36,7 @@ for stage in "$@"; do
       else
         timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} > "$OUT/tests.log" 2>&1
       fi ;;
-    attention|fused|cross_entropy|fp8|dataloader|checkpoint|e2e|e2e_ab|distributed|host_overhead|host_threads|multigpu|convergence|fp8_transpose_probe|attention_clocks|host_trace|adamw|fp8_attention_ablate|linear|mlp|embedding|attention_sm90|attention_sm90_bwd|fp8_attention_sm90|fp8_attention_sm90_bwd|attention_sm90_bwd_ablate|fp8_attention_sm90_bwd_probe|softmax_rows|attention_passes)
+    attention|fused|cross_entropy|fp8|dataloader|checkpoint|e2e|e2e_ab|distributed|host_overhead|host_threads|multigpu|convergence|fp8_transpose_probe|attention_clocks|host_trace|adamw|fp8_attention_ablate|linear|mlp|embedding|gemm_tune|attention_sm90|attention_sm90_bwd|fp8_attention_sm90|fp8_attention_sm90_bwd|attention_sm90_bwd_ablate|fp8_attention_sm90_bwd_probe|softmax_rows|attention_passes)
       timeout ${BENCH_TIMEOUT:-300} python3 "bench/$stage.py" --out "$OUT" ${QUICK:+--quick} ${BENCH_ARGS:-} > "$OUT/$stage.log" 2>&1 ;;
     train124m|train124m-ref)   # the trainer on GPT-2 124M: Triton ops (auto) or the PyTorch reference ops
       ops=auto; [ "$stage" = train124m-ref ] && ops=reference

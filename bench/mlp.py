@@ -6,7 +6,8 @@ At the e2e configs' shapes (rows = batch x sequence), in one process on the GPU,
 with their gradients set to None each call (as the trainer zeroes them):
 - mlp: forward alone and forward+backward, CUDA-graph replay median ms (the trainer's captured step), and
   every output's relative error against float64 of the same bf16 operands, both ways;
-- qkv: ops.linear forward+backward with CUBLASLT_BIAS_GRAD off and on, graph replay ms, db's error.
+- qkv: ops.linear forward+backward with cublaslt.GEMMS off and on (the bias gradient from BGRADB), graph
+  replay ms, db's error.
 A shape where a fused call fell back to torch ops (cuBLASLt had no algorithm) says so in "fallbacks".
 
     PYTHONPATH=src python3 bench/mlp.py --out DIR
@@ -30,7 +31,7 @@ from common import RESULTS, environment, write_result  # noqa: E402
 from tilewise import ops  # noqa: E402
 
 mlp = importlib.import_module("tilewise.ops.mlp")
-linear = importlib.import_module("tilewise.ops.linear")
+cublaslt = importlib.import_module("tilewise.ops.cublaslt")
 
 # (config, rows, d_model, ff): the e2e configs' MLPs; (config, rows, d_model, 3 d_model): their QKV linears
 MLP_SHAPES = [("gpt2-124m", 32768, 768, 3072), ("gpt-1.3b", 16384, 2048, 8192)]
@@ -102,7 +103,7 @@ def bench_qkv(config, rows, d, n):
     dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
 
     def step(on):
-        linear.CUBLASLT_BIAS_GRAD = on
+        cublaslt.GEMMS = on
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = ops.linear(x, w, b)
         y.backward(dy)
@@ -115,7 +116,7 @@ def bench_qkv(config, rows, d, n):
         step(on)
         row["db_rel_err"][name] = rel(b.grad, db64)
         row[name] = graph_ms(lambda: step(on), [w, b])
-    linear.CUBLASLT_BIAS_GRAD = False
+    cublaslt.GEMMS = False
     row["speedup"] = row["column_sums"] / row["bgradb"]
     return row
 

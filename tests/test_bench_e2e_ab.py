@@ -46,7 +46,7 @@ def _refusal(monkeypatch, capsys, *argv):
 def test_bad_arguments_are_named(monkeypatch, capsys):
     assert _refusal(monkeypatch, capsys) == (
         2, "bench/e2e_ab.py: give exactly one of --attn-bwd, --head-chunk-mb, --head-chunk-rows, "
-           "--gemm-epilogues, --embedding\n")
+           "--cublaslt, --embedding\n")
     code, err = _refusal(monkeypatch, capsys, "--attn-bwd", "atomic", "--head-chunk-mb", "64")
     assert code == 2 and "exactly one" in err
     assert _refusal(monkeypatch, capsys, "--head-chunk-mb", "0") == (
@@ -103,16 +103,17 @@ def test_head_chunk_rows_setting(monkeypatch, tmp_path):
     assert result["command"] == "PYTHONPATH=src python3 bench/e2e_ab.py --head-chunk-rows 5632 --quick --out DIR"
 
 
-@pytest.mark.parametrize("value, mlp_on, bias_on", [("mlp", True, False), ("bias", False, True), ("both", True, True)])
-def test_gemm_epilogues_setting(monkeypatch, tmp_path, value, mlp_on, bias_on):
+@pytest.mark.parametrize("value, switches", [("mlp", (True, False, False)), ("linear", (False, True, False)),
+                                             ("all", (True, True, False)), ("tuned", (True, True, True))])
+def test_cublaslt_setting(monkeypatch, tmp_path, value, switches):
     mlp = importlib.import_module("tilewise.ops.mlp")
-    linear = importlib.import_module("tilewise.ops.linear")
-    monkeypatch.setattr(mlp, "CUBLASLT_MLP", False)   # restored after the test
-    monkeypatch.setattr(linear, "CUBLASLT_BIAS_GRAD", False)
-    seen, result = _result_of(monkeypatch, tmp_path, ["--gemm-epilogues", value, "--quick"],
-                              lambda: (mlp.CUBLASLT_MLP, linear.CUBLASLT_BIAS_GRAD), quick=True, configs="", fp8=[])
-    assert seen == (mlp_on, bias_on) and result["setting"] == {"gemm_epilogues": value}
-    assert result["command"] == f"PYTHONPATH=src python3 bench/e2e_ab.py --gemm-epilogues {value} --quick --out DIR"
+    cublaslt = importlib.import_module("tilewise.ops.cublaslt")
+    for module, name in ((mlp, "CUBLASLT_MLP"), (cublaslt, "GEMMS"), (cublaslt, "TUNE")):
+        monkeypatch.setattr(module, name, False)   # restored after the test
+    seen, result = _result_of(monkeypatch, tmp_path, ["--cublaslt", value, "--quick"],
+                              lambda: (mlp.CUBLASLT_MLP, cublaslt.GEMMS, cublaslt.TUNE), quick=True, configs="", fp8=[])
+    assert seen == switches and result["setting"] == {"cublaslt": value}
+    assert result["command"] == f"PYTHONPATH=src python3 bench/e2e_ab.py --cublaslt {value} --quick --out DIR"
 
 
 def test_embedding_setting(monkeypatch, tmp_path):

@@ -361,6 +361,33 @@ def test_linear_cross_entropy_row_configs(config, device):
         check_close(got.grad, r.grad, s_.grad, f"grad {name}", torch.bfloat16)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_cross_entropy_gemms_routed_through_cublaslt(bias, monkeypatch, device):
+    """cublaslt.GEMMS on (its torch-op fallback without a GPU): the chunk loop's three GEMMs through
+    cublaslt.matmul, the weight gradient accumulated over the chunks, the same loss and gradients."""
+    from tilewise.ops import cublaslt
+    gen = torch.Generator().manual_seed(17)
+    hidden, weight, b, target = _linear_case(24, 32, 72, torch.bfloat16, device, gen, bias)
+
+    def run():
+        h, w, bb = _leaves(hidden, weight, b)
+        with ops.use("triton"):
+            loss = linear_cross_entropy_fused(h, w, target, bias=bb, chunk_rows=8)
+        loss.backward()
+        return [loss.detach(), h.grad, w.grad] + ([bb.grad] if bias else [])
+
+    want = run()
+    monkeypatch.setattr(cublaslt, "GEMMS", True)
+    if device == "cpu":
+        monkeypatch.setattr(cublaslt, "available", lambda device: True)
+    calls = []
+    monkeypatch.setattr(cublaslt, "matmul", lambda *a, _m=cublaslt.matmul, **k: calls.append(k) or _m(*a, **k))
+    got = run()
+    assert [c.get("accumulate", False) for c in calls[2::3]] == [False, True, True]   # 3 chunks, each 3 GEMMs
+    for g, w_ in zip(got, want):
+        assert torch.allclose(g.float(), w_.float(), rtol=2e-2, atol=2e-3)
+
+
 def test_linear_cross_entropy_backward_twice(device):
     """retain_graph: a second backward with another upstream gradient scales the stored gradients afresh
     (they are not scaled in place)."""

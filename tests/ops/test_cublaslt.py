@@ -113,3 +113,47 @@ def test_gpu_unsupported_widths_take_the_reference(monkeypatch):
     monkeypatch.setattr(cublaslt, "_matmul", lambda *a, **k: called.append(1) or real(*a, **k))
     act, pre = cublaslt.gelu_bias(x, w, b)
     assert not called and rel_err(pre, x.double() @ w.double().t() + b.double()) < 2 ** -8
+
+
+def test_matmul_fallback_computes_every_form():
+    """Where cuBLASLt does not run (here: the CPU), matmul's torch ops give each form: bias, accumulate, a
+    half-precision product into fp32, transposed operands."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(24, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, 16, generator=g).to(torch.bfloat16).t()
+    bias = torch.randn(40, generator=g).to(torch.bfloat16)
+    ref = a.double() @ b.double()
+    assert rel_err(cublaslt.matmul(a, b, torch.empty(24, 40, dtype=torch.bfloat16)), ref) < 2 ** -8
+    assert rel_err(cublaslt.matmul(a, b, torch.empty(24, 40, dtype=torch.bfloat16), bias=bias),
+                   ref + bias.double()) < 2 ** -8
+    acc = torch.ones(24, 40)
+    assert rel_err(cublaslt.matmul(a, b, acc, accumulate=True), ref + 1) < 1e-6
+    assert rel_err(cublaslt.matmul(a.t().contiguous().t(), b, torch.empty(24, 40)), ref) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", [False, True])
+@pytest.mark.parametrize("a_t, b_t", [(False, True), (False, False), (True, False), (True, True)])
+def test_gpu_matmul_forms_against_float64(a_t, b_t, tune, monkeypatch):
+    """cuBLASLt itself (a plan made, none fallen back) for each operand layout, bf16 and fp32 outputs, with a
+    bias and accumulating, heuristic and tuned."""
+    monkeypatch.setattr(cublaslt, "TUNE", tune)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    M, K, N = 1024, 768, 2304
+    a = torch.randn(*((K, M) if a_t else (M, K)), device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(*((N, K) if b_t else (K, N)), device="cuda", generator=g).to(torch.bfloat16)
+    a, b = (a.t() if a_t else a), (b.t() if b_t else b)
+    bias = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
+    ref = a.double() @ b.double()
+    monkeypatch.setattr(cublaslt, "_PLANS", {})   # this test's plans alone
+    assert rel_err(cublaslt.matmul(a, b, torch.empty(M, N, device="cuda", dtype=torch.bfloat16)), ref) < 2 ** -8
+    out = cublaslt.matmul(a, b, torch.empty(M, N, device="cuda", dtype=torch.bfloat16), bias=bias)
+    assert rel_err(out, ref + bias.double()) < 2 ** -8
+    acc = torch.randn(M, N, device="cuda", generator=g)
+    cublaslt.matmul(a, b, acc)
+    assert rel_err(acc, ref) < 1e-5
+    acc += 1.0
+    assert rel_err(cublaslt.matmul(a, b, acc, accumulate=True), 2 * ref + 1.0) < 1e-5
+    plans = list(cublaslt._PLANS.values())
+    assert len(plans) == 3 and all(plan is not None for plan in plans)   # bf16 out, its bias, fp32 out
+    assert [plan[5] for plan in plans] == [tune] * 3   # accumulating (beta 1) reuses the fp32 plan untimed

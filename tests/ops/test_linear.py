@@ -169,34 +169,47 @@ def test_kept_low_weight_is_rewritten_by_adamw_and_dropped_when_stale(monkeypatc
     assert w._tilewise_low[0] is not kept           # and the fresh cast is kept in its place
 
 
-def test_bias_gradient_from_the_weight_gradient_gemm(monkeypatch):
-    """CUBLASLT_BIAS_GRAD on (cublaslt's wgrad with the bias gradient; its torch-op reference on the CPU):
-    the same dW and db as column_sums' path, and column_sums is not called."""
+def test_gemms_routed_through_cublaslt(monkeypatch):
+    """cublaslt.GEMMS on (its torch-op fallback on the CPU): the same y, dx, dW and db, the bias gradient from
+    cublaslt.wgrad (never column_sums), and a frozen weight's bias gradient by a sum."""
     import sys
     lin = sys.modules["tilewise.ops.linear"]
     from tilewise.ops import cublaslt
     x, w, b, dy = make((3, 37, 96), 80)
-    _, (dx_ref, dw_ref, db_ref) = run(ops.linear, x, w, b, dy)
-    monkeypatch.setattr(lin, "CUBLASLT_BIAS_GRAD", True)
+    y_ref, (dx_ref, dw_ref, db_ref) = run(ops.linear, x, w, b, dy)
+    monkeypatch.setattr(cublaslt, "GEMMS", True)
     monkeypatch.setattr(cublaslt, "available", lambda device: True)
     taken = []
+    monkeypatch.setattr(cublaslt, "matmul", lambda *a, _m=cublaslt.matmul, **k: taken.append("mm") or _m(*a, **k))
     monkeypatch.setattr(cublaslt, "wgrad", lambda *a, _w=cublaslt.wgrad, **k: taken.append(k) or _w(*a, **k))
     monkeypatch.setattr(lin, "column_sums", lambda *a: pytest.fail("column_sums ran"))
-    _, (dx, dw, db) = run(ops.linear, x, w, b, dy)
-    assert taken == [{"bias_grad": True}]
-    assert torch.equal(dx, dx_ref) and dw.dtype == db.dtype == torch.float32 and dw.stride() == w.stride()
+    y, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+    assert taken == ["mm", "mm", {"bias_grad": True}]
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref) and dw.dtype == db.dtype == torch.float32
     assert torch.allclose(dw, dw_ref, rtol=1e-5, atol=1e-5) and torch.allclose(db, db_ref, rtol=1e-5, atol=1e-5)
+    assert dw.stride() == w.stride()
+    b_leaf, x_leaf = b.clone().requires_grad_(), x.clone().requires_grad_()
+    with ops.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        MasterWeightLinear.apply(x_leaf, w, b_leaf, torch.bfloat16).backward(dy)
+    assert torch.allclose(b_leaf.grad, db_ref, rtol=1e-5, atol=1e-5) and w.grad is None
 
 
 @pytest.mark.gpu
-def test_gpu_bias_gradient_from_the_weight_gradient_gemm(monkeypatch):
-    """The same on the GPU at the 1.3B qkv shape, cuBLASLt's BGRADB itself (its reference made to fail)."""
-    import sys
-    lin = sys.modules["tilewise.ops.linear"]
+def test_gpu_gemms_routed_through_cublaslt(monkeypatch):
+    """The same on the GPU at the 1.3B qkv shape with cuBLASLt itself (the fallbacks made to fail), tuned and
+    not: y and dx as F.linear's within bf16 rounding, dW and db against float64."""
     from tilewise.ops import cublaslt
-    monkeypatch.setattr(lin, "CUBLASLT_BIAS_GRAD", True)
+    monkeypatch.setattr(cublaslt, "GEMMS", True)
     monkeypatch.setattr(cublaslt, "wgrad_reference", lambda *a: pytest.fail("the reference ran"))
     x, w, b, dy = make((2, 2048, 2048), 6144, device="cuda", seed=4)
-    _, (_, dw, db) = run(ops.linear, x, w, b, dy)
-    _, _, dw64, db64 = reference(x, w, b, dy)
-    assert dw.dtype == db.dtype == torch.float32 and rel_err(dw, dw64) < 1e-4 and rel_err(db, db64) < 1e-4
+    y64, dx64, dw64, db64 = reference(x, w, b, dy)
+    y_ref, (dx_ref, _, _) = run(F.linear, x, w, b, dy, mode="reference")
+    for tune in (False, True):
+        monkeypatch.setattr(cublaslt, "TUNE", tune)
+        planned = len(cublaslt._PLANS)
+        y, (dx, dw, db) = run(ops.linear, x, w, b, dy)
+        assert tune or len(cublaslt._PLANS) >= planned + 3   # forward, data and weight gradients planned
+        assert all(plan is not None and plan[5] == tune for plan in list(cublaslt._PLANS.values())[-3:])
+        assert rel_err(y, y64) <= 1.5 * max(rel_err(y_ref, y64), 2 ** -9)
+        assert rel_err(dx, dx64) <= 1.5 * max(rel_err(dx_ref, dx64), 2 ** -9)
+        assert dw.dtype == db.dtype == torch.float32 and rel_err(dw, dw64) < 1e-4 and rel_err(db, db64) < 1e-4

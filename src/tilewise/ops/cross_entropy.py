@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import cublaslt
 from .dispatch import use_triton
 from .launch import FastLauncher, cdiv
 from .linear import fp32_out_mm_ok
@@ -362,11 +363,14 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
     per_row = scale is not None and scale.numel() == n and n > 1
     buf = torch.empty((min(chunk_rows, n), vocab), device=dev, dtype=hidden.dtype)
     wt = weight.t()
+    routed = cublaslt.GEMMS and cublaslt.available(dev) and not torch.compiler.is_compiling()
     for i, start in enumerate(range(0, n, chunk_rows)):
         stop = min(start + chunk_rows, n)
         h = hidden[start:stop]
         logits = buf[: stop - start]
-        if bias is None:
+        if routed:   # ops.cublaslt's GEMMS switch: the three GEMMs there (TUNE picks their algorithms)
+            cublaslt.matmul(h, wt, logits, bias=bias)
+        elif bias is None:
             torch.mm(h, wt, out=logits)
         else:
             torch.addmm(bias, h, wt, out=logits)
@@ -374,9 +378,15 @@ def _fused_chunks(hidden, weight, bias, target, lse, *, ignore_index, z_loss, ch
                 loss=None if loss is None else loss[start:stop], lse=lse[start:stop],
                 grad=logits if grads else None, scale=scale[start:stop] if per_row else scale, config=config)
         if want_h:
-            torch.mm(logits, weight, out=gh[start:stop])
+            if routed:
+                cublaslt.matmul(logits, weight, gh[start:stop])
+            else:
+                torch.mm(logits, weight, out=gh[start:stop])
         if want_w:
-            _mm_accumulate(gw, logits.t(), h, first=i == 0)
+            if routed:
+                cublaslt.matmul(logits.t(), h, gw, accumulate=i > 0)
+            else:
+                _mm_accumulate(gw, logits.t(), h, first=i == 0)
         if want_b:
             gb += logits.sum(0, dtype=torch.float32)
     return gh, gw, gb

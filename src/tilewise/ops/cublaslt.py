@@ -11,12 +11,16 @@ In torch's row-major terms (x: tokens x in, w: out x in, as nn.Linear; all opera
     gelu_bias(x, w, b)  -> (gelu_tanh(x @ w.T + b), x @ w.T + b)   epilogue GELU_AUX_BIAS
     dgelu(dy, w, pre)   -> (dy @ w) * gelu_tanh'(pre)                epilogue DGELU
     wgrad(dy, x, bias_grad) -> dy.T @ x in fp32, and with bias_grad dy.sum(0) in fp32   (BGRADB)
+    matmul(a, b, out, bias, accumulate) -> out = a @ b (+ bias) (+ out)   (BIAS; beta 1)
+matmul is for the plain GEMMs (ops.linear's, the fused head's) where GEMMS routes them here, so that TUNE can
+pick their algorithms: each problem's fastest of the heuristic's first TUNE_ALGOS, timed once on its first
+call's own operands (torch takes the heuristic's first).
 cuBLASLt is column-major, where a row-major r x c tensor is the c x r matrix: each call computes the
 transposed product with the operands swapped, D^T = B^T A^T (the layouts Transformer Engine uses for the same
 three GEMMs: "TN" forward, "NN" data gradient, "NT" weight gradient). Products accumulate in fp32; the GELU is
 the tanh approximation (GPT-2's), which a GPU test tells apart from erf's.
 
-Plans (descriptors, layouts, the heuristic's algorithm) are cached per shape, dtype and pointer alignment;
+Plans (descriptors, layouts, the algorithm) are cached per shape, dtype, epilogue and pointer alignment;
 a call sets its pointers and launches on the current stream, so it captures into CUDA graphs. The workspace
 is one buffer per (device, stream), never freed, as norm.py keeps its partial rows. Where the library is not
 loaded (CPU tensors, a build without it) or cuBLASLt has no algorithm for a case, the same functions run as
@@ -41,8 +45,17 @@ _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 
 # cublasLtMatmulPreferenceAttributes_t: the workspace, and the A, B, C, D pointers' alignment (256 unless said)
 _PREF_MAX_WORKSPACE_BYTES, _PREF_ALIGNMENT = 1, (5, 6, 7, 8)
 # cublasLtEpilogue_t
-DEFAULT, GELU, GELU_BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU, BGRADB = 1, 32, 36, 160, 164, 192, 512
+DEFAULT, BIAS, GELU, GELU_BIAS, GELU_AUX, GELU_AUX_BIAS, DGELU, BGRADB = 1, 4, 32, 36, 160, 164, 192, 512
 WORKSPACE_BYTES = 32 << 20      # what torch gives cuBLAS on Hopper
+# Which GEMMs go through this module, beyond the GELU MLP's (ops.mlp.CUBLASLT_MLP): with GEMMS, ops.linear's
+# (the bias gradient from the weight gradient's GEMM, BGRADB, instead of column_sums' pass) and the fused
+# head's. With TUNE, a problem's algorithm is the fastest of the heuristic's first TUNE_ALGOS on its first
+# call, not the heuristic's first (torch's choice). Both off until the H200 step measures them
+# (bench/gemm_tune.py, bench/e2e_ab.py --cublaslt).
+GEMMS = False
+TUNE = False
+TUNE_ALGOS = 8
+TUNE_REPS = 5
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -91,7 +104,8 @@ _LOADED = False
 _LOCK = threading.Lock()          # a plan's descriptor holds the call's pointers until it launches
 _HANDLES: dict = {}               # device index -> cublasLtHandle_t
 _WORKSPACES: dict = {}            # (device index, stream) -> uint8 tensor of WORKSPACE_BYTES
-_PLANS: dict = {}                 # key -> (descriptor, A, B, D layouts, heuristic result) or None
+_PLANS: dict = {}                 # key -> (descriptor, A, B, D layouts, algorithm, tuned?) or None
+_UNPLANNED = object()
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 
@@ -144,8 +158,9 @@ def _layout(dtype, rows: int, cols: int, ld: int):
     return layout
 
 
-def _plan(key, bias_ptr: int, aux_ptr: int):
-    """The descriptor, layouts and algorithm of one column-major problem; None where cuBLASLt has no algorithm."""
+def _candidates(key, bias_ptr: int, aux_ptr: int, count: int):
+    """The descriptor, layouts and the heuristic's first `count` algorithms (fastest estimate first) of one
+    column-major problem; no algorithms where cuBLASLt has none."""
     index, epilogue, transa, transb, m, n, k, lda, ldb, ldd, ab_dtype, d_dtype, aux_ld, aligned = key
     desc = ctypes.c_void_p()
     _check(_LIB.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_DTYPE[torch.float32]),
@@ -170,19 +185,45 @@ def _plan(key, bias_ptr: int, aux_ptr: int):
         value = ctypes.c_uint32(alignment)   # C is D
         _check(_LIB.cublasLtMatmulPreferenceSetAttribute(pref, attribute, ctypes.byref(value), 4),
                "setting an alignment preference")
-    result, count = _HeuristicResult(), ctypes.c_int(0)
-    status = _LIB.cublasLtMatmulAlgoGetHeuristic(_handle(index), desc, a, b, d, d, pref, 1, ctypes.byref(result),
-                                                 ctypes.byref(count))
+    results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
+    status = _LIB.cublasLtMatmulAlgoGetHeuristic(_handle(index), desc, a, b, d, d, pref, count, results,
+                                                 ctypes.byref(found))
     _LIB.cublasLtMatmulPreferenceDestroy(pref)
-    if status != 0 or count.value < 1 or result.workspace_size > WORKSPACE_BYTES:
-        warnings.warn(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k} "
-                      f"({ab_dtype} -> {d_dtype}); these calls run as torch ops", RuntimeWarning, stacklevel=3)
-        return None
-    return desc, a, b, d, result
+    algos = [] if status != 0 else [r for r in results[:found.value]
+                                    if r.state == 0 and r.workspace_size <= WORKSPACE_BYTES]
+    return desc, a, b, d, algos
 
 
-def _matmul(epilogue, transa, transb, m, n, k, a, lda, b, ldb, d, ldd, bias=None, aux=None, aux_ld=0) -> bool:
-    """D = op(A) op(B) (m x n, column-major) with `epilogue`, into d; False if cuBLASLt has no algorithm."""
+def _launch(plan, algo, ptrs, beta, device, stream, workspace) -> int:
+    desc, la, lb, ld_ = plan[:4]
+    return _LIB.cublasLtMatmul(_handle(device.index), desc, ctypes.addressof(_ONE), ptrs[0], la, ptrs[1], lb,
+                               ctypes.addressof(_ONE if beta else _ZERO), ptrs[2], ld_, ptrs[2], ld_,
+                               ctypes.addressof(algo), workspace.data_ptr(), WORKSPACE_BYTES, stream.cuda_stream)
+
+
+def _fastest(plan, algos, ptrs, device, stream, workspace):
+    """The algorithm of `algos` that ran these operands fastest (TUNE_REPS launches each after one warm-up,
+    CUDA events; a failing one is skipped). It synchronizes the stream, once per new problem."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best, best_ms = algos[0], float("inf")
+    for algo in algos:
+        if _launch(plan, algo, ptrs, 0.0, device, stream, workspace) != 0:
+            continue
+        start.record(stream)
+        for _ in range(TUNE_REPS):
+            _launch(plan, algo, ptrs, 0.0, device, stream, workspace)
+        end.record(stream)
+        end.synchronize()
+        if start.elapsed_time(end) < best_ms:
+            best, best_ms = algo, start.elapsed_time(end)
+    return best
+
+
+def _matmul(epilogue, transa, transb, m, n, k, a, lda, b, ldb, d, ldd, bias=None, aux=None, aux_ld=0,
+            beta=0.0) -> bool:
+    """D = op(A) op(B) (+ D when beta is 1; m x n, column-major) with `epilogue`, into d; False if cuBLASLt has
+    no algorithm. A problem's first call (outside a CUDA graph capture, with beta 0) with TUNE on times the
+    heuristic's first TUNE_ALGOS algorithms on its own operands and keeps the fastest; else the heuristic's first."""
     ptrs = (a.data_ptr(), b.data_ptr(), d.data_ptr(), 0 if bias is None else bias.data_ptr(),
             0 if aux is None else aux.data_ptr())
     key = (d.device.index, epilogue, transa, transb, m, n, k, lda, ldb, ldd, a.dtype, d.dtype, aux_ld,
@@ -190,45 +231,89 @@ def _matmul(epilogue, transa, transb, m, n, k, a, lda, b, ldb, d, ldd, bias=None
     stream = torch.cuda.current_stream(d.device)
     with _LOCK:
         workspace = _workspace(d.device, stream)
-        if key not in _PLANS:
-            _PLANS[key] = _plan(key, ptrs[3], ptrs[4])
-        plan = _PLANS[key]
+        plan = _PLANS.get(key, _UNPLANNED)
+        if plan is _UNPLANNED or (plan is not None and not plan[5] and TUNE and not beta
+                                  and not torch.cuda.is_current_stream_capturing()):
+            tune = TUNE and not beta and not torch.cuda.is_current_stream_capturing()
+            desc, la, lb, ld_, algos = _candidates(key, ptrs[3], ptrs[4], TUNE_ALGOS if tune else 1)
+            if not algos:
+                warnings.warn(f"cuBLASLt has no algorithm for epilogue {epilogue} at m={m} n={n} k={k} "
+                              f"({a.dtype} -> {d.dtype}); these calls run as torch ops", RuntimeWarning,
+                              stacklevel=3)
+                _PLANS[key] = None
+                return False
+            plan = (desc, la, lb, ld_, algos[0], tune)
+            if tune and len(algos) > 1:
+                plan = plan[:4] + (_fastest(plan, algos, ptrs, d.device, stream, workspace), True)
+            _PLANS[key] = plan
         if plan is None:
             return False
-        desc, la, lb, ld_, result = plan
         if bias is not None:
-            _set(desc, _BIAS_POINTER, ctypes.c_void_p(ptrs[3]))
+            _set(plan[0], _BIAS_POINTER, ctypes.c_void_p(ptrs[3]))
         if aux is not None:
-            _set(desc, _AUX_POINTER, ctypes.c_void_p(ptrs[4]))
-        _check(_LIB.cublasLtMatmul(_handle(d.device.index), desc, ctypes.addressof(_ONE), ptrs[0], la, ptrs[1], lb,
-                                   ctypes.addressof(_ZERO), ptrs[2], ld_, ptrs[2], ld_, ctypes.addressof(result),
-                                   workspace.data_ptr(), WORKSPACE_BYTES, stream.cuda_stream),
+            _set(plan[0], _AUX_POINTER, ctypes.c_void_p(ptrs[4]))
+        _check(_launch(plan, plan[4], ptrs, beta, d.device, stream, workspace),
                f"cublasLtMatmul (epilogue {epilogue}, m={m} n={n} k={k})")
     return True
 
 
-def _lt_ok(*tensors) -> bool:
-    """cuBLASLt takes these: CUDA, the library loaded, contiguous, half or fp32, rows a multiple of 8 wide."""
-    return (tensors[0].is_cuda and available(tensors[0].device)
-            and all(t.is_contiguous() and t.dtype in _CUDA_DTYPE and t.shape[-1] % 8 == 0 for t in tensors))
+def _operand(t: torch.Tensor):
+    """(op, ld) of a row-major matrix t (r x c) as the cuBLASLt operand whose op() is t^T (c x r, column-major):
+    contiguous: N, ld c; the transpose of a contiguous matrix: T, ld r; None otherwise."""
+    r, c = t.shape
+    if t.stride() == (c, 1):
+        return _OP_N, c
+    if t.stride() == (1, r):
+        return _OP_T, r
+    return None
 
 
-# ------------------------------------------------------------------------------------------ the three GEMMs
+def _mm(a, b, out, epilogue=DEFAULT, bias=None, aux=None, beta=0.0) -> bool:
+    """out (M x N, contiguous) = a (M x K) @ b (K x N) with `epilogue` (bias: N elements; aux: M x N), each of
+    a, b contiguous or the transpose of a contiguous matrix, through cuBLASLt; False where it cannot (the
+    caller computes it otherwise)."""
+    tensors = [a, b, out] + [t for t in (bias, aux) if t is not None]
+    if not (out.is_cuda and available(out.device) and all(t.dtype in _CUDA_DTYPE for t in tensors)
+            and out.is_contiguous() and (aux is None or aux.is_contiguous()) and (bias is None or bias.is_contiguous())
+            and all(size % 8 == 0 for size in (*a.shape, b.shape[1]))):
+        return False
+    a_op, b_op = _operand(a), _operand(b)
+    if a_op is None or b_op is None:
+        return False
+    (M, K), N = a.shape, b.shape[1]
+    return _matmul(epilogue, b_op[0], a_op[0], N, M, K, b, b_op[1], a, a_op[1], out, N, bias=bias, aux=aux,
+                   aux_ld=N if aux is not None else 0, beta=beta)
+
+
+# ------------------------------------------------------------------------------------------ the GEMMs
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """out = a @ b (+ bias) (+ out when accumulate), the product in fp32 and rounded once to out's dtype (a
+    half-precision product into an fp32 out: fp32 throughout). a, b: 2-D; out: contiguous (M, N); bias: (N,)
+    in out's dtype; not both bias and accumulate. torch ops where cuBLASLt cannot."""
+    if _mm(a, b, out, BIAS if bias is not None else DEFAULT, bias=bias, beta=1.0 if accumulate else 0.0):
+        return out
+    with torch.autocast(out.device.type, enabled=False):   # the operands are in the dtypes they are meant in
+        if out.dtype == a.dtype:
+            if accumulate:
+                return out.addmm_(a, b)
+            return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+        product = torch.mm(a.float(), b.float())   # a half-precision product into an fp32 out
+        if bias is not None:
+            product += bias.float()
+        return out.add_(product) if accumulate else out.copy_(product)
+
 
 def gelu_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, keep_pre: bool = True):
     """(gelu_tanh(x @ w.T + bias), x @ w.T + bias) in x's dtype; the second is None unless keep_pre.
     x: (tokens, in), w: (out, in), bias: (out,) in x's dtype or None."""
-    tokens, n_in = x.shape
-    n_out = w.shape[0]
-    act = torch.empty(tokens, n_out, dtype=x.dtype, device=x.device)
+    act = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     pre = torch.empty_like(act) if keep_pre else None
-    operands = [x, w] + ([] if bias is None else [bias])
-    if _lt_ok(*operands, act):
-        epilogue = {(True, True): GELU_AUX_BIAS, (True, False): GELU_AUX, (False, True): GELU_BIAS,
-                    (False, False): GELU}[(keep_pre, bias is not None)]
-        if _matmul(epilogue, _OP_T, _OP_N, n_out, tokens, n_in, w, n_in, x, n_in, act, n_out, bias=bias, aux=pre,
-                   aux_ld=n_out if keep_pre else 0):
-            return act, pre
+    epilogue = {(True, True): GELU_AUX_BIAS, (True, False): GELU_AUX, (False, True): GELU_BIAS,
+                (False, False): GELU}[(keep_pre, bias is not None)]
+    if _mm(x, w.t(), act, epilogue, bias=bias, aux=pre):
+        return act, pre
     ref_act, ref_pre = gelu_bias_reference(x, w, bias)
     act.copy_(ref_act)
     if keep_pre:
@@ -239,11 +324,8 @@ def gelu_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 def dgelu(dy: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """(dy @ w) * gelu_tanh'(pre) in dy's dtype: the gradient at the GELU's input, for y = gelu(pre) @ w.T.
     dy: (tokens, out), w: (out, in), pre: (tokens, in)."""
-    tokens, n_out = dy.shape
-    n_in = w.shape[1]
-    dh = torch.empty(tokens, n_in, dtype=dy.dtype, device=dy.device)
-    if _lt_ok(dy, w, pre, dh) and pre.dtype == dy.dtype and _matmul(
-            DGELU, _OP_N, _OP_N, n_in, tokens, n_out, w, n_in, dy, n_out, dh, n_in, aux=pre, aux_ld=n_in):
+    dh = torch.empty(dy.shape[0], w.shape[1], dtype=dy.dtype, device=dy.device)
+    if pre.dtype == dy.dtype and _mm(dy, w, dh, DGELU, aux=pre):
         return dh
     return dh.copy_(dgelu_reference(dy, w, pre))
 
@@ -251,12 +333,9 @@ def dgelu(dy: torch.Tensor, w: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def wgrad(dy: torch.Tensor, x: torch.Tensor, bias_grad: bool = False):
     """dy.T @ x in fp32 (the weight's gradient of y = x @ w.T), and with bias_grad also dy.sum(0) in fp32,
     as (dw, db). dy: (tokens, out), x: (tokens, in)."""
-    tokens, n_out = dy.shape
-    n_in = x.shape[1]
-    dw = torch.empty(n_out, n_in, dtype=torch.float32, device=dy.device)
-    db = torch.empty(n_out, dtype=torch.float32, device=dy.device) if bias_grad else None
-    if _lt_ok(dy, x, dw) and _matmul(BGRADB if bias_grad else DEFAULT, _OP_N, _OP_T, n_in, n_out, tokens, x, n_in,
-                                     dy, n_out, dw, n_in, bias=db):
+    dw = torch.empty(dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
+    db = torch.empty(dy.shape[1], dtype=torch.float32, device=dy.device) if bias_grad else None
+    if _mm(dy.t(), x, dw, BGRADB if bias_grad else DEFAULT, bias=db):
         return dw, db
     ref_dw, ref_db = wgrad_reference(dy, x)
     dw.copy_(ref_dw)

@@ -79,9 +79,6 @@ def fp32_out_mm_ok(device, dtype) -> bool:
 
 
 KEEP_LOW_WEIGHTS = os.environ.get("TILEWISE_KEEP_LOW_WEIGHTS", "1") == "1"
-# The bias gradient from the weight gradient's GEMM (cuBLASLt's BGRADB epilogue) instead of column_sums' pass
-# over dy: off until the H200 step measures it (bench/e2e_ab.py --gemm-epilogues).
-CUBLASLT_BIAS_GRAD = False
 
 
 def _stamp(weight) -> tuple:
@@ -125,13 +122,27 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.mm(a.float(), b.float())
 
 
+def _routed(t: torch.Tensor) -> bool:
+    """Whether MasterWeightLinear's GEMMs go through ops.cublaslt (its GEMMS switch, where it is available,
+    outside torch.compile)."""
+    return cublaslt.GEMMS and cublaslt.available(t.device) and not torch.compiler.is_compiling()
+
+
 class MasterWeightLinear(torch.autograd.Function):
-    """y = x @ weight.T + bias in `dtype` (autocast's) for an fp32 weight; dW and db come out in fp32."""
+    """y = x @ weight.T + bias in `dtype` (autocast's) for an fp32 weight; dW and db come out in fp32. With
+    cublaslt.GEMMS its three GEMMs are cublaslt's (the bias gradient then from the weight gradient's GEMM)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
         x_low, w_low = x.to(dtype), low_weight(weight, dtype)
-        y = F.linear(x_low, w_low, None if bias is None else bias.to(dtype))   # autocast leaves `dtype` alone
+        b_low = None if bias is None else bias.to(dtype)
+        if _routed(x_low) and x_low.is_contiguous() and x_low.numel():
+            x2 = x_low.view(-1, x_low.shape[-1])
+            y = cublaslt.matmul(x2, w_low.t(), torch.empty(x2.shape[0], w_low.shape[0], dtype=dtype,
+                                                           device=x2.device), bias=b_low)
+            y = y.view(*x_low.shape[:-1], w_low.shape[0])
+        else:
+            y = F.linear(x_low, w_low, b_low)   # autocast leaves `dtype` alone
         ctx.save_for_backward(x_low, w_low)
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y
@@ -140,17 +151,26 @@ class MasterWeightLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x_low, w_low = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (dy2 @ w_low).view(*dy.shape[:-1], w_low.shape[1]).to(ctx.x_dtype)
         x2 = x_low.reshape(-1, x_low.shape[-1])
-        if (CUBLASLT_BIAS_GRAD and ctx.has_bias and all(ctx.needs_input_grad[1:3]) and dy2.shape[0] > 0
-                and cublaslt.available(dy2.device) and not torch.compiler.is_compiling()):
-            dw, db = cublaslt.wgrad(dy2.contiguous(), x2.contiguous(), bias_grad=True)
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        want_b = want_b and ctx.has_bias
+        dx = dw = db = None
+        if _routed(dy2) and dy2.shape[0] > 0:
+            dy2 = dy2.contiguous()
+            if want_x:
+                dx = cublaslt.matmul(dy2, w_low, torch.empty(dy2.shape[0], w_low.shape[1], dtype=dy2.dtype,
+                                                             device=dy2.device))
+                dx = dx.view(*dy.shape[:-1], w_low.shape[1]).to(ctx.x_dtype)
+            if want_w:
+                dw, db = cublaslt.wgrad(dy2, x2.contiguous(), bias_grad=want_b)
+            elif want_b:
+                db = dy2.sum(0, dtype=torch.float32)
             return dx, dw, db, None
-        if ctx.needs_input_grad[1]:
+        if want_x:
+            dx = (dy2 @ w_low).view(*dy.shape[:-1], w_low.shape[1]).to(ctx.x_dtype)
+        if want_w:
             dw = _mm_fp32(dy2.t(), x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if want_b:
             if torch.compiler.is_compiling() or dy2.shape[0] == 0:   # torch.compile traces torch's sum, not a
                 db = dy2.sum(0, dtype=torch.float32)                   # launcher; column_sums needs rows
             else:

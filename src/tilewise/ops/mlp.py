@@ -1,7 +1,7 @@
 """The GELU MLP, down(gelu_tanh(up(x) + up_bias)), with the GELU inside cuBLASLt's GEMM epilogues.
 
 Forward: one GEMM writes gelu(x @ W_up.T + b) and, kept for the backward, its input (GELU_AUX_BIAS); a plain
-GEMM multiplies by W_down. Backward: dW_down = dy.T @ act; dh = (dy @ W_down) * gelu'(pre) in one GEMM
+GEMM multiplies by W_down (all four cublaslt's, so cublaslt.TUNE picks their algorithms too). Backward: dW_down = dy.T @ act; dh = (dy @ W_down) * gelu'(pre) in one GEMM
 (DGELU); dW_up and db_up from one GEMM (BGRADB); dx = dh @ W_up. Against the unfused chain (ops.linear,
 ops.bias_gelu, ops.linear) that leaves out the bias + GELU kernels' reads and writes of the tokens x ff_dim
 activation, three of its passes a layer, and keeps the same tensors for the backward (the GELU's input and
@@ -10,12 +10,11 @@ output, x, the two bf16 weights). Weight and bias gradients come out in fp32 as 
 It runs where ops.linear's MasterWeightLinear runs (fp32 weights under bf16/fp16 autocast, the Triton side of
 the dispatch rule) when cuBLASLt is loaded, the widths are multiples of 8, torch.compile is not tracing and
 CUBLASLT_MLP is on; everywhere else gelu_mlp is the unfused chain. CUBLASLT_MLP stays off until the H200
-step measures it against the chain (bench/e2e_ab.py --gemm-epilogues).
+step measures it against the chain (bench/mlp.py; bench/e2e_ab.py --cublaslt mlp).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import cublaslt
 from .activation import bias_gelu
@@ -34,7 +33,8 @@ class GeluMLP(torch.autograd.Function):
         w_up, w_down = low_weight(up_weight, dtype), low_weight(down_weight, dtype)
         b_up = None if up_bias is None else low_weight(up_bias, dtype)
         act, pre = cublaslt.gelu_bias(x2, w_up, b_up, keep_pre=any(ctx.needs_input_grad))
-        y = F.linear(act, w_down)
+        y = cublaslt.matmul(act, w_down.t(), torch.empty(act.shape[0], w_down.shape[0], dtype=dtype,
+                                                         device=act.device))
         ctx.save_for_backward(x2, w_up, pre, act, w_down)
         ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.dtype, x.shape, up_bias is not None
         return y.view(*x.shape[:-1], w_down.shape[0])
@@ -51,7 +51,8 @@ class GeluMLP(torch.autograd.Function):
         if need_w_up or need_b_up:
             dw_up, db_up = cublaslt.wgrad(dh, x2, bias_grad=ctx.has_bias and need_b_up)
         if need_x:
-            dx = (dh @ w_up).view(ctx.x_shape).to(ctx.x_dtype)
+            dx = cublaslt.matmul(dh, w_up, torch.empty(dh.shape[0], w_up.shape[1], dtype=dh.dtype, device=dh.device))
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return dx, dw_up, db_up, dw_down, None
 
 
