@@ -64,15 +64,33 @@ class _HeuristicResult(ctypes.Structure):
                 ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
+def _library_files() -> list:
+    """libcublasLt in the NVIDIA wheels' folders and torch's own lib folder (where a CUDA build of torch has it)."""
+    import glob
+    import os
+    folders = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+    try:
+        import nvidia
+        folders += [os.path.join(root, "*", "lib") for root in nvidia.__path__]
+    except ImportError:
+        pass
+    return sorted(p for folder in folders for p in glob.glob(os.path.join(folder, "libcublasLt.so*")))
+
+
 def _load():
-    """libcublasLt as torch loaded it (the copy its own GEMMs use), else by name; None if there is none."""
+    """libcublasLt as torch loaded it (the copy its own GEMMs use: a cuBLAS handle loads it), else from the
+    NVIDIA wheels' folders or by name; None if there is none."""
     paths = []
     try:
+        if torch.cuda.is_available():
+            torch.cuda.current_blas_handle()
         with open("/proc/self/maps") as maps:
             paths = [line.split()[-1] for line in maps if "libcublasLt.so" in line]
-    except OSError:
+    except (OSError, RuntimeError):
         pass
-    for name in paths[:1] + ["libcublasLt.so.13", "libcublasLt.so.12", ctypes.util.find_library("cublasLt")]:
+    names = paths[:1] + _library_files() + ["libcublasLt.so.13", "libcublasLt.so.12",
+                                                  ctypes.util.find_library("cublasLt")]
+    for name in names:
         if not name:
             continue
         try:
