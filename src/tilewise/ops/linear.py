@@ -12,6 +12,10 @@ bias gradient from the attention backward's tiles (each dK/dV and dQ tile's colu
 GPT-2 124M step on the H200 the 0.56 ms pass went, but the Triton backward kernels took 0.36 ms longer and the
 step was unchanged (58.77 against 58.73 ms; bench/results/e2e_qkv_bias_tiles_6b995f6.json).
 
+With ops.cublaslt.GEMMS on (off until the H200 step measures it), its three GEMMs are cublaslt's instead of
+torch's, so that cublaslt.TUNE can pick their algorithms, and the bias gradient comes from the weight
+gradient's GEMM (BGRADB) instead of column_sums.
+
 It runs where the Triton ops run (tilewise.ops' dispatch rule: CUDA tensors, or TILEWISE_OPS=triton);
 the reference is F.linear under autocast. The fp32-output GEMM is torch.mm(a, b, out_dtype) on CUDA where
 fp32_out_mm_ok finds it (torch >= 2.8; the fused cross-entropy asks the same); elsewhere (the CPU, an older
