@@ -49,8 +49,8 @@ def bench(config, batch, seqlen, vocab, width, kind):
     w = (0.02 * torch.randn(vocab, width, device="cuda", generator=g)).requires_grad_()
     p = (0.02 * torch.randn(seqlen, width, device="cuda", generator=g)).requires_grad_()
     dx = torch.randn(batch, seqlen, width, device="cuda", generator=g)
-    row = {"shape": {"config": config, "batch": batch, "seqlen": seqlen, "vocab": vocab, "width": width,
-                     "ids": kind}, "unit": "ms", "top_id_share": torch.bincount(idx.view(-1)).max().item() / idx.numel()}
+    shape = {"config": config, "batch": batch, "seqlen": seqlen, "vocab": vocab, "width": width, "ids": kind}
+    row = {"shape": shape, "unit": "ms", "top_id_share": torch.bincount(idx.view(-1)).max().item() / idx.numel()}
     grads = {}
     for name, mode in (("torch", "reference"), ("tilewise", "triton")):
         embedding.TRITON_EMBEDDING = mode == "triton"   # off by default until this and the step measure it

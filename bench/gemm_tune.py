@@ -43,7 +43,8 @@ def gemms(tokens, d, layers, vocab):
         out += [(f"{layer} fwd", layers, tokens, n_in, n_out, "n", "t", torch.bfloat16),
                 (f"{layer} dgrad", layers, tokens, n_out, n_in, "n", "n", torch.bfloat16),
                 (f"{layer} wgrad", layers, n_out, tokens, n_in, "t", "n", torch.float32)]
-    rows = cross_entropy.default_chunk_rows(tokens, vocab, 2, d, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = cross_entropy.default_chunk_rows(tokens, vocab, 2, d, sms)
     chunks = -(-tokens // rows)
     out += [("head logits", chunks, rows, d, vocab, "n", "t", torch.bfloat16),
             ("head grad_hidden", chunks, rows, vocab, d, "n", "n", torch.bfloat16)]

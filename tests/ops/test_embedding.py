@@ -21,7 +21,8 @@ def rel_err(a, ref):
 def make(batch, seqlen, vocab, width, positions, device="cpu", dtype=torch.float32, seed=0, skew=False):
     g = torch.Generator().manual_seed(seed)
     if skew:   # real text: a few ids take most positions
-        idx = torch.where(torch.rand(batch, seqlen, generator=g) < 0.6, torch.randint(0, 3, (batch, seqlen), generator=g),
+        frequent = torch.randint(0, 3, (batch, seqlen), generator=g)
+        idx = torch.where(torch.rand(batch, seqlen, generator=g) < 0.6, frequent,
                           torch.randint(0, vocab, (batch, seqlen), generator=g))
     else:
         idx = torch.randint(0, vocab, (batch, seqlen), generator=g)

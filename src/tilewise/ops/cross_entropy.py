@@ -403,9 +403,10 @@ _times_launch = FastLauncher(_times_kernel)
 
 def _times(t, g, dtype):
     """t * g (g: one float32 element on t's device) rounded once to dtype; None stays None. A Triton pass
-    where the kernels run: torch.mul by a one-element device tensor broadcasts it, which kept its kernel from
-    vectorizing (GPT-2 124M on the H200 at d5d762d: 0.097 ms for the bf16 grad_hidden, 0.115 for the fp32
-    grad_W, against ~0.025 and ~0.07 at the copy bandwidth; bench/results/e2e.json)."""
+    where the kernels run: torch.mul by a one-element device tensor broadcasts it, which keeps its kernel from
+    vectorizing (GPT-2 124M on the H200 at d5d762d, bench/results/e2e.json: the two non-vectorized multiplies,
+    bf16 and fp32, of these sizes took 0.097 and 0.115 ms; the copy bandwidth would move their bytes in ~0.025
+    and ~0.07). Not yet timed on the GPU."""
     if t is None:
         return None
     out = torch.empty(t.shape, device=t.device, dtype=dtype)

@@ -10,12 +10,14 @@ token). A frequent token's run is one program's serial steps: a token at 5% of G
 takes 103 steps of 16 rows (bench/embedding.py times Zipf-distributed ids beside uniform ones). Bytes: dx read
 once, the (vocab, width) gradient written once. torch's dense embedding backward takes a sort, two kernels
 over the runs and a zero fill (GPT-2 124M on the H200 at d5d762d: 0.226 + 0.222 ms, bench/results/e2e.json),
-and its broadcast add of the position rows is a separate pass (0.115 ms there).
+and the unfused forward's broadcast add of the position rows is a kernel of its own (the profile's one
+non-vectorized fp32 add, 0.081 ms).
 
 The Triton path runs on CUDA tensors (or TILEWISE_OPS=triton) outside torch.compile, which traces the
 reference (F.embedding and the add) and fuses it itself, when TRITON_EMBEDDING is on: off until the H200
-measures it (bench/embedding.py, and the step: bench/e2e_ab.py --embedding triton). A token id outside the vocabulary raises on CPU
-tensors; on the GPU (no host sync) its row is NaN, and it adds to no row of the gradient.
+measures it (bench/embedding.py, and the step: bench/e2e_ab.py --embedding triton). A token id outside the
+vocabulary raises on CPU tensors; on the GPU (no host sync) its row is NaN, and it adds to no row of the
+gradient.
 """
 from __future__ import annotations
 

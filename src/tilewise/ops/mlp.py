@@ -1,8 +1,9 @@
 """The GELU MLP, down(gelu_tanh(up(x) + up_bias)), with the GELU inside cuBLASLt's GEMM epilogues.
 
 Forward: one GEMM writes gelu(x @ W_up.T + b) and, kept for the backward, its input (GELU_AUX_BIAS); a plain
-GEMM multiplies by W_down (all four cublaslt's, so cublaslt.TUNE picks their algorithms too). Backward: dW_down = dy.T @ act; dh = (dy @ W_down) * gelu'(pre) in one GEMM
-(DGELU); dW_up and db_up from one GEMM (BGRADB); dx = dh @ W_up. Against the unfused chain (ops.linear,
+GEMM multiplies by W_down. Backward: dW_down = dy.T @ act; dh = (dy @ W_down) * gelu'(pre) in one GEMM
+(DGELU); dW_up and db_up from one GEMM (BGRADB); dx = dh @ W_up. All six are cublaslt's, so cublaslt.TUNE
+picks their algorithms too. Against the unfused chain (ops.linear,
 ops.bias_gelu, ops.linear) that leaves out the bias + GELU kernels' reads and writes of the tokens x ff_dim
 activation, three of its passes a layer, and keeps the same tensors for the backward (the GELU's input and
 output, x, the two bf16 weights). Weight and bias gradients come out in fp32 as MasterWeightLinear's do.
